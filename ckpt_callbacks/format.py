@@ -1,0 +1,182 @@
+"""Format v1: names, dtypes and the manifest. Specified for users in docs/format.md.
+
+Example::
+
+    from ckpt_callbacks import format as fmt
+    fmt.step_name(42)                     # 'step_0000000042'
+    body = fmt.pack_manifest({"version": 1, "step": 42, "leaves": [], "tree": {"l": 0}})
+    fmt.unpack_manifest(body)["step"]     # 42
+
+Who calls what: the writer (process 0) packs the manifest last; every reader unpacks and validates
+it before touching any other file. Validation rejects hostile manifests (bad names, unknown
+dtypes or versions, absurd shapes, oversized or nested-bomb msgpack) before anything is allocated.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import google_crc32c
+import ml_dtypes
+import msgpack
+import numpy as np
+
+from .errors import CorruptCheckpointError, IncompatibleCheckpointError
+
+__all__ = ["FORMAT_VERSION", "MANIFEST", "step_name", "parse_step_name", "pack_manifest",
+           "unpack_manifest", "crc32c", "storage_dtype", "logical_dtype", "dtype_name"]
+
+FORMAT_VERSION = 1
+MAGIC = "ckpt_callbacks"
+MANIFEST = "manifest.msgpack"
+STEP_PREFIX = "step_"
+STEP_RE = re.compile(r"^step_(\d{10})$")
+STAGING_RE = re.compile(r"^step_(\d{10})\.(tmp|del)-[0-9a-f]{8,32}$")
+ARRAY_RE = re.compile(r"^arrays/\d{1,9}$")
+BLOB_RE = re.compile(r"^blobs/p\d{1,6}-\d{1,6}\.msgpack$")
+HOST_RE = re.compile(r"^host/p\d{1,6}\.msgpack$")
+MAX_MANIFEST_BYTES = 1 << 30
+MAX_ARRAY_BYTES = 1 << 46
+MAX_NDIM = 32
+
+# dtypes tensorstore's zarr3 stores natively; every other (ml_dtypes) dtype is stored bit-cast
+# to an unsigned integer of its width and viewed back on read.
+_NATIVE = {"bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
+           "float16", "float32", "float64", "complex64", "complex128", "bfloat16"}
+_EXOTIC = {name: getattr(ml_dtypes, name) for name in (
+    "int2", "uint2", "int4", "uint4", "float4_e2m1fn", "float6_e2m3fn", "float6_e3m2fn",
+    "float8_e3m4", "float8_e4m3", "float8_e4m3b11fnuz", "float8_e4m3fn", "float8_e4m3fnuz",
+    "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu") if hasattr(ml_dtypes, name)}
+
+
+def step_name(step: int) -> str:
+    if not isinstance(step, (int, np.integer)) or isinstance(step, bool) or not 0 <= step < 10**10:
+        raise ValueError(f"step must be an int in [0, 1e10), got {step!r}")
+    return f"{STEP_PREFIX}{int(step):010d}"
+
+
+def parse_step_name(name: str) -> int | None:
+    m = STEP_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+def crc32c(data) -> int:
+    return google_crc32c.value(bytes(data) if not isinstance(data, (bytes, memoryview)) else data)
+
+
+def dtype_name(dtype) -> str:
+    return np.dtype(dtype).name
+
+
+def logical_dtype(name: str) -> np.dtype:
+    """numpy dtype for a saved dtype name; IncompatibleCheckpointError for unknown names."""
+    if name in _NATIVE:
+        return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
+    if name in _EXOTIC:
+        return np.dtype(_EXOTIC[name])
+    raise IncompatibleCheckpointError(f"unknown dtype {name!r} in checkpoint; this version knows "
+                                      f"{sorted(_NATIVE | set(_EXOTIC))}")
+
+
+def storage_dtype(name: str) -> str:
+    """The zarr3 data type a logical dtype is stored as."""
+    if name in _NATIVE:
+        return name
+    return "uint%d" % (8 * logical_dtype(name).itemsize)
+
+
+def pack_manifest(manifest: dict) -> bytes:
+    """Serialize a manifest: an outer msgpack map holding the body and the body's crc32c."""
+    body = msgpack.packb(manifest, use_bin_type=True)
+    return msgpack.packb({"magic": MAGIC, "version": manifest["version"], "crc32c": crc32c(body),
+                          "body": body}, use_bin_type=True)
+
+
+def _unpack(data: bytes):
+    n = len(data)
+    return msgpack.unpackb(data, raw=False, strict_map_key=False, max_bin_len=n, max_str_len=n,
+                           max_array_len=n, max_map_len=n, max_ext_len=0,
+                           ext_hook=_no_ext)
+
+
+def _no_ext(code, data):
+    raise ValueError("msgpack extension types are not part of the format")
+
+
+def unpack_manifest(data: bytes, where: str = "manifest") -> dict:
+    """Parse and validate a manifest; CorruptCheckpointError / IncompatibleCheckpointError on failure."""
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise CorruptCheckpointError(f"{where}: {len(data)} bytes, larger than any valid manifest")
+    try:
+        outer = _unpack(data)
+    except Exception as e:  # msgpack raises many types for garbage input
+        raise CorruptCheckpointError(f"{where} is not valid msgpack ({type(e).__name__}: {e})") from None
+    if not isinstance(outer, dict) or outer.get("magic") != MAGIC:
+        raise CorruptCheckpointError(f"{where} is not a ckpt_callbacks manifest")
+    if outer.get("version") != FORMAT_VERSION:
+        raise IncompatibleCheckpointError(
+            f"{where} has format version {outer.get('version')!r}; this version of ckpt_callbacks reads "
+            f"version {FORMAT_VERSION}. Upgrade ckpt_callbacks to read it.")
+    body = outer.get("body")
+    if not isinstance(body, bytes) or crc32c(body) != outer.get("crc32c"):
+        raise CorruptCheckpointError(f"{where}: checksum mismatch (the manifest is damaged)")
+    try:
+        m = _unpack(body)
+        _validate(m)
+    except (CorruptCheckpointError, IncompatibleCheckpointError):
+        raise
+    except Exception as e:
+        raise CorruptCheckpointError(f"{where} is malformed: {type(e).__name__}: {e}") from None
+    return m
+
+
+def _validate(m: dict) -> None:
+    def need(cond, what):
+        if not cond:
+            raise CorruptCheckpointError(f"manifest is malformed: {what}")
+    need(isinstance(m, dict) and m.get("version") == FORMAT_VERSION, "bad body")
+    need(isinstance(m.get("step"), int) and isinstance(m.get("leaves"), list), "missing step or leaves")
+    need(isinstance(m.get("tree"), dict), "missing tree")
+    n = len(m["leaves"])
+    for i, leaf in enumerate(m["leaves"]):
+        need(isinstance(leaf, dict) and isinstance(leaf.get("p"), list), f"leaf {i}")
+        for e in leaf["p"]:
+            need(isinstance(e, list) and len(e) == 2 and e[0] in ("d", "i", "a", "f")
+                 and isinstance(e[1], (str, int)), f"leaf {i} key path")
+        kind = leaf.get("k")
+        need(kind in ("array", "packed", "py", "none"), f"leaf {i} kind {kind!r}")
+        if kind in ("array", "packed"):
+            logical_dtype(leaf.get("dt"))  # raises for unknown dtypes
+            shape = leaf.get("sh")
+            need(isinstance(shape, list) and len(shape) <= MAX_NDIM
+                 and all(isinstance(d, int) and 0 <= d < 2**40 for d in shape), f"leaf {i} shape")
+            need(math.prod(shape) * logical_dtype(leaf["dt"]).itemsize <= MAX_ARRAY_BYTES,
+                 f"leaf {i} declares an array larger than {MAX_ARRAY_BYTES} bytes")
+        if kind == "array":
+            need(isinstance(leaf.get("z"), str) and ARRAY_RE.match(leaf["z"]), f"leaf {i} array name")
+            ch = leaf.get("ch")
+            need(isinstance(ch, list) and len(ch) == len(leaf["sh"])
+                 and all(isinstance(c, int) and c >= 1 for c in ch), f"leaf {i} chunks")
+        if kind == "packed":
+            need(isinstance(leaf.get("b"), str) and BLOB_RE.match(leaf["b"]), f"leaf {i} blob name")
+            need(isinstance(leaf.get("bi"), int) and isinstance(leaf.get("crc"), int), f"leaf {i} blob entry")
+    _validate_tree(m["tree"], n, need)
+    for name in (m.get("host") or {}).values():
+        need(isinstance(name, str) and HOST_RE.match(name), "host state name")
+
+
+def _validate_tree(tree, n, need, depth=0):
+    need(depth < 1000, "tree nested too deeply")
+    stack = [(tree, 0)]
+    while stack:
+        node, d = stack.pop()
+        need(isinstance(node, dict) and d < 1000, "tree node")
+        if "l" in node:
+            need(isinstance(node["l"], int) and 0 <= node["l"] < n, "tree leaf index")
+            continue
+        need(node.get("t") in ("dict", "list", "tuple", "namedtuple", "node"), "tree node kind")
+        need(isinstance(node.get("c"), list), "tree children")
+        for c in node["c"]:
+            need(isinstance(c, list) and len(c) == 2 and isinstance(c[0], list), "tree child")
+            stack.append((c[1], d + 1))

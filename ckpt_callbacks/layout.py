@@ -1,0 +1,92 @@
+"""Shard and chunk arithmetic: pure functions, no I/O (property-tested in tests/test_layout.py).
+
+Example::
+
+    from ckpt_callbacks import layout
+    layout.chunk_shape((1024, 2048), itemsize=4, cap_bytes=4 << 20)   # (512, 2048)
+
+Who calls what: the snapshot (every process, identically) asks `unique_boxes` for the distinct
+shards of each array, `assign` for which process writes each (so that exactly one copy of every
+replicated shard is written, and replicated bytes are spread over processes), and `chunk_shape`
+for a zarr chunk grid aligned to the shards and capped in bytes. Restore uses `intersect`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+__all__ = ["Box", "box_of", "unique_boxes", "chunk_shape", "assign", "intersect", "box_shape"]
+
+Box = tuple  # tuple of (start, stop) per dimension
+
+
+def box_of(index: Sequence[slice], shape: Sequence[int]) -> Box:
+    """Normalize a tuple of slices (as in `Sharding.devices_indices_map`) to a box."""
+    out = []
+    for sl, n in zip(index, shape):
+        start, stop, step = sl.indices(n)
+        if step != 1:
+            raise ValueError("strided shards are not supported")
+        out.append((start, stop))
+    return tuple(out)
+
+
+def box_shape(box: Box) -> tuple:
+    return tuple(b - a for a, b in box)
+
+
+def unique_boxes(sharding, shape) -> list[tuple[Box, list]]:
+    """Distinct shard boxes of an array, each with the devices holding it (sorted by id)."""
+    groups: dict = {}
+    for dev, index in sharding.devices_indices_map(tuple(shape)).items():
+        groups.setdefault(box_of(index, shape), []).append(dev)
+    return [(b, sorted(devs, key=lambda d: d.id)) for b, devs in sorted(groups.items())]
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(2, n + 1) if n % k == 0]
+
+
+def chunk_shape(shard: Sequence[int], itemsize: int, cap_bytes: int) -> tuple:
+    """Largest chunk that tiles `shard` exactly and holds at most `cap_bytes` (where possible).
+
+    Dimensions are split from the first on, each by its smallest sufficient divisor, so chunks stay
+    aligned to shard boundaries and contiguous in C order.
+    """
+    c = [max(1, int(d)) for d in shard]
+    for d in range(len(c)):
+        if math.prod(c) * itemsize <= cap_bytes:
+            break
+        for k in _divisors(c[d]):
+            if math.prod(c) // k * itemsize <= cap_bytes or k == c[d]:
+                c[d] //= k
+                break
+    return tuple(c)
+
+
+def assign(items: Sequence[tuple[int, Sequence[int]]], nprocs: int) -> list[int]:
+    """Pick one writer process per item, balancing bytes.
+
+    `items` are ``(nbytes, holder_processes)``; the result is, per item, the process that writes
+    it. Deterministic: every process computes the same answer from the same inputs. Largest items
+    are placed first, each on the least-loaded holder (ties: lowest index).
+    """
+    load = [0] * max(1, nprocs)
+    out = [0] * len(items)
+    order = sorted(range(len(items)), key=lambda i: (-items[i][0], i))
+    for i in order:
+        nbytes, holders = items[i]
+        p = min(sorted(set(holders)), key=lambda h: (load[h], h))
+        load[p] += nbytes
+        out[i] = p
+    return out
+
+
+def intersect(a: Box, b: Box) -> Box | None:
+    out = tuple((max(x0, y0), min(x1, y1)) for (x0, x1), (y0, y1) in zip(a, b))
+    return None if any(lo >= hi for lo, hi in out) and len(out) else out
+
+
+def bounding(boxes: Sequence[Box]) -> Box:
+    return tuple((min(b[d][0] for b in boxes), max(b[d][1] for b in boxes)) for d in range(len(boxes[0])))

@@ -1,0 +1,290 @@
+"""CheckpointManager: which steps get saved, which survive, and what a restart resumes from.
+
+Example::
+
+    import ckpt_callbacks as cc
+    with cc.CheckpointManager("/tmp/run", save_interval_steps=100,
+                              retention=[cc.KeepLast(3), cc.KeepBest("val_loss", "min", 2)]) as mngr:
+        start = (mngr.latest_step() or 0)
+        state = mngr.restore(target=abstract_state) if mngr.latest_step() is not None else state
+        for step in range(start + 1, 10_000):
+            state = train_step(state)
+            mngr.save(step, state, metrics={"val_loss": 0.3})   # returns after the snapshot
+
+Who calls what: every process constructs the manager and calls `save`/`restore` with the same
+arguments in the same order (SPMD). `save` runs on the caller's thread only for the snapshot; a
+background thread writes, commits, then (process 0) applies retention and deletes. One save is in
+flight at a time: the next `save`, `wait_until_finished` or `close` waits for it and re-raises its
+failure. Start-up (process 0): check the directory is writable, take the writer lock, remove
+leftovers of crashed saves (only names this package creates).
+
+Saving a step that is already committed never overwrites it: the save is skipped with a warning
+(the resumed-run case) and returns False; ``force=True`` replaces it atomically (POSIX).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import queue
+import threading
+import time
+
+import msgpack
+
+from . import coordination, lock, restore as restore_mod, snapshot
+from .errors import CheckpointError, CheckpointNotFoundError, ConfigError
+from .retention import StepInfo, as_policies, best_policy, decide
+from .storage import open_store
+from .writing import SaveStats, write_and_commit
+
+__all__ = ["CheckpointManager"]
+
+log = logging.getLogger("ckpt_callbacks")
+
+
+def _check_metrics(metrics) -> dict:
+    if metrics is None:
+        return {}
+    if not isinstance(metrics, dict):
+        raise ConfigError(f"metrics must be a dict of str -> number, got {type(metrics).__name__}")
+    out = {}
+    for k, v in metrics.items():
+        if not isinstance(k, str):
+            raise ConfigError(f"metrics key {k!r} must be a str")
+        try:
+            out[k] = v if isinstance(v, (str, bool, int)) else float(v)
+        except (TypeError, ValueError):
+            raise ConfigError(f"metrics[{k!r}] must be a number or str, got {type(v).__name__}") from None
+    return out
+
+
+class CheckpointManager:
+    """Saves, retains and restores the steps of one training run. See the module docstring.
+
+    Args:
+      directory: local path, ``file://``, ``s3://bucket/prefix`` or ``gs://bucket/prefix``.
+      save_interval_steps: `save(step)` saves when ``step % N == 0`` (or with ``force=True``).
+      retention: None (keep all), a policy, a list of policies (kept if any keeps), or a config dict.
+      async_save: False makes `save` return only after the commit (and retention).
+      max_staging_bytes: cap on host bytes held for staging; None copies everything at once.
+      timeout_s: limit on every cross-process wait of a save (barriers, gathers).
+      clock: the time recorded as a step's save time (inject for tests of time-based retention).
+      read_only: open for restore only: no lock, no cleanup, `save` raises.
+    """
+
+    def __init__(self, directory, *, save_interval_steps: int = 1, retention=None, async_save: bool = True,
+                 max_staging_bytes: int | None = None, timeout_s: float = 600.0, clock=time.time,
+                 read_only: bool = False, coordinator: coordination.Coordinator | None = None):
+        if isinstance(save_interval_steps, bool) or not isinstance(save_interval_steps, int) or save_interval_steps < 1:
+            raise ConfigError(f"save_interval_steps must be a positive int, got {save_interval_steps!r}")
+        self.directory = os.fspath(directory)
+        self.store = open_store(self.directory)
+        self.save_interval_steps = save_interval_steps
+        self.policies = as_policies(retention)
+        self.async_save = bool(async_save)
+        self.max_staging_bytes = max_staging_bytes
+        self.timeout_s = timeout_s
+        self.clock = clock
+        self.read_only = read_only
+        self.coord = coordinator or coordination.current()
+        self.history: list[SaveStats] = []
+        self._infos: dict[int, StepInfo] = {}
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._closed = False
+        self._locked = False
+        if not read_only:
+            self._start_up()
+
+    # -- start-up -----------------------------------------------------------------------------
+    def _start_up(self) -> None:
+        if self.coord.process_index == 0:
+            self.store.check_writable()
+            if self.store.local:
+                lock.acquire(self.store.root)
+                self._locked = True
+            for name in self.store.leftovers():
+                log.info("ckpt_callbacks: removing leftover %s of an interrupted save or deletion", name)
+                self.store.remove(name)
+        if self.coord.process_count > 1:
+            self.coord.barrier(f"startup/{self.store.url}", self.timeout_s)
+
+    # -- saving -------------------------------------------------------------------------------
+    def save(self, step: int, tree, *, metrics: dict | None = None, force: bool = False,
+             host_state=None) -> bool:
+        """Save `tree` as `step` if due; returns True when a save started (async: after the snapshot).
+
+        `metrics` (str -> number) are stored in the manifest and drive `KeepBest`. `host_state`
+        is this process's own msgpack-able state (e.g. a data iterator's `get_state()`).
+        """
+        if self._closed or self.read_only:
+            raise CheckpointError("save on a closed or read-only CheckpointManager")
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ConfigError(f"step must be a non-negative int, got {step!r}")
+        if not force and step % self.save_interval_steps:
+            return False
+        metrics = _check_metrics(metrics)
+        self._wait()
+        if step in self.all_steps() and not force:
+            log.warning("ckpt_callbacks: step %d is already committed in %s; not saving it again "
+                        "(pass force=True to replace it)", step, self.store.url)
+            return False
+        try:
+            host_bytes = None if host_state is None else msgpack.packb(host_state, use_bin_type=True)
+        except Exception as e:
+            raise ConfigError(f"host_state must be msgpack-able (dicts, lists, str, numbers, bytes): {e}") from None
+        snap = snapshot.plan(tree, coord=self.coord)
+        token = os.urandom(6).hex().encode() if self.coord.process_index == 0 else None
+        if self.coord.process_count > 1:
+            token = self.coord.broadcast(f"token/{step}/{len(self.history)}", token, self.timeout_s)
+        token = token.decode()
+        budget = snapshot.ByteBudget(self.max_staging_bytes)
+        items: queue.SimpleQueue = queue.SimpleQueue()
+        save_time = self.clock()
+        extra_info = {"time": save_time}
+
+        def run():
+            try:
+                stats = write_and_commit(self.store, step, snap, items, coord=self.coord, metrics=metrics,
+                                         host_state=host_bytes, budget=budget, replace=force, token=token,
+                                         timeout_s=self.timeout_s, extra=extra_info)
+                self._infos[step] = StepInfo(step, save_time, metrics)
+                stats = self._retain(stats)
+                self.history.append(stats)
+                log.info("ckpt_callbacks: committed step %d to %s: %.1f MB, blocking %.3fs, total %.3fs%s",
+                         step, self.store.url, stats.bytes_total / 1e6, stats.blocking_s, stats.total_s,
+                         f", deleted steps {list(stats.deleted)}" if stats.deleted else "")
+            except BaseException as e:  # noqa: BLE001 - re-raised by the next call
+                self._error = e
+
+        self._thread = threading.Thread(target=run, name=f"ckpt_callbacks-save-{step}", daemon=True)
+        self._thread.start()
+        try:
+            snapshot.copy(snap, items.put, budget)
+        except BaseException as e:
+            items.put(("abort", e))
+            items.put(None)
+            self._thread.join()
+            self._thread, self._error = None, None
+            raise
+        if not self.async_save:
+            self._wait()
+        return True
+
+    def _retain(self, stats: SaveStats) -> SaveStats:
+        if self.policies is None or self.coord.process_index != 0:
+            return stats
+        t0 = time.perf_counter()
+        infos = self._step_infos()
+        keep = decide(self.policies, infos)
+        deleted = sorted(i.step for i in infos if i.step not in keep)
+        for s in deleted:
+            self.store.delete(s)
+            self._infos.pop(s, None)
+        return dataclasses.replace(stats, gc_s=time.perf_counter() - t0, deleted=tuple(deleted))
+
+    def _step_infos(self) -> list[StepInfo]:
+        steps = self.store.committed_steps()
+        for s in steps:
+            if s not in self._infos:
+                try:
+                    m = restore_mod.read_manifest(self.store, s)
+                    self._infos[s] = StepInfo(s, float((m.get("extra") or {}).get("time", m.get("time", 0.0))),
+                                              m.get("metrics") or {})
+                except CheckpointError as e:  # damaged: kept (never silently dropped), never best
+                    log.warning("ckpt_callbacks: step %d: cannot read its manifest (%s)", s, e)
+                    self._infos[s] = StepInfo(s, 0.0, {})
+        return [self._infos[s] for s in steps]
+
+    def _wait(self) -> None:
+        t = self._thread
+        if t is not None:
+            t.join()
+            self._thread = None
+        if self._error is not None:
+            e, self._error = self._error, None
+            raise e
+
+    def wait_until_finished(self) -> None:
+        """Wait for the save in flight and its retention deletions; re-raise a background failure."""
+        self._wait()
+
+    @property
+    def last_stats(self) -> SaveStats | None:
+        return self.history[-1] if self.history else None
+
+    # -- reading ------------------------------------------------------------------------------
+    def all_steps(self) -> list[int]:
+        """Committed steps, ascending."""
+        return self.store.committed_steps()
+
+    def latest_step(self) -> int | None:
+        steps = self.all_steps()
+        return steps[-1] if steps else None
+
+    def metrics(self, step: int) -> dict | None:
+        if step not in self.all_steps():
+            return None
+        if step not in self._infos:
+            self._step_infos()
+        return dict(self._infos[step].metrics) if step in self._infos else None
+
+    def best_step(self) -> int | None:
+        """Best committed step by the KeepBest policy in `retention`; None without one."""
+        p = best_policy(self.policies)
+        if p is None:
+            return None
+        ranked = p.rank(self._step_infos())
+        return ranked[0] if ranked else None
+
+    def restore(self, step: int | None = None, target=None):
+        """Restore `step` (latest committed when None) onto `target` (see `ckpt_callbacks.restore`)."""
+        step = self._resolve(step)
+        return restore_mod.restore(self.store, step, target)
+
+    def host_state(self, step: int | None = None, process_index: int | None = None):
+        """This process's host state saved with `step` (None if none was saved)."""
+        step = self._resolve(step)
+        m = restore_mod.read_manifest(self.store, step)
+        pi = self.coord.process_index if process_index is None else process_index
+        return restore_mod.read_host_state(self.store, step, m, pi)
+
+    def _resolve(self, step):
+        steps = self.all_steps()
+        if step is None:
+            if not steps:
+                raise CheckpointNotFoundError(f"no committed checkpoint in {self.store.url}")
+            return steps[-1]
+        if step not in steps:
+            raise CheckpointNotFoundError(f"step {step} is not a committed checkpoint in {self.store.url} "
+                                          f"(committed: {steps[-10:]}{' ...' if len(steps) > 10 else ''})")
+        return step
+
+    # -- lifetime -----------------------------------------------------------------------------
+    def close(self) -> None:
+        """Wait for the save in flight (re-raising its failure), then release the directory."""
+        if self._closed:
+            return
+        try:
+            self._wait()
+        finally:
+            self._closed = True
+            if self._locked:
+                lock.release(self.store.root)
+                self._locked = False
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+    def __del__(self):
+        if getattr(self, "_locked", False) and not getattr(self, "_closed", True):
+            try:
+                lock.release(self.store.root)
+            except Exception:  # noqa: BLE001
+                pass

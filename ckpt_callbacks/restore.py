@@ -1,0 +1,211 @@
+"""Reading checkpoints back, driven by the target: each process reads only what its shards need.
+
+Example::
+
+    from ckpt_callbacks.restore import restore, read_manifest
+    from ckpt_callbacks.storage import open_store
+    store = open_store("/tmp/run")
+    tree = restore(store, 10)                          # host numpy leaves, saved structure
+    tree = restore(store, 10, target=abstract_state)   # onto the target's shardings, its classes
+
+Who calls what: `CheckpointManager.restore` on every process. The manifest is read and validated
+first; then, per leaf, each process reads the bounding box of the target shards it holds
+(tensorstore reads only the chunks that box touches) and builds the jax.Array with
+`jax.make_array_from_callback`. crc32c checksums are verified on every chunk and packed leaf read.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import msgpack
+import numpy as np
+import tensorstore as ts
+
+from . import format as fmt
+from . import layout, treepath
+from .errors import CorruptCheckpointError, IncompatibleCheckpointError
+from .storage import Store
+
+__all__ = ["restore", "read_manifest", "read_host_state", "leaf_reader"]
+
+
+def read_manifest(store: Store, step: int) -> dict:
+    rel = f"{fmt.step_name(step)}/{fmt.MANIFEST}"
+    return fmt.unpack_manifest(store.read(rel), where=f"{store.url}/{rel}")
+
+
+def read_host_state(store: Store, step: int, manifest: dict, process_index: int):
+    name = manifest.get("host", {}).get(process_index)
+    if name is None:
+        return None
+    data = store.read(f"{fmt.step_name(step)}/{name}")
+    try:
+        return msgpack.unpackb(data, raw=False, strict_map_key=False, ext_hook=fmt._no_ext)
+    except Exception as e:
+        raise CorruptCheckpointError(f"host state of process {process_index} is damaged: {e}") from None
+
+
+class leaf_reader:
+    """Reads leaves of one step; caches packed blobs. Used by restore and by `verify`."""
+
+    def __init__(self, store: Store, step: int, manifest: dict):
+        self.store, self.step, self.m = store, step, manifest
+        self.base = fmt.step_name(step)
+        self._blobs: dict = {}
+
+    def _blob(self, rel: str, where: str) -> list:
+        if rel not in self._blobs:
+            try:
+                data = self.store.read(f"{self.base}/{rel}")
+            except FileNotFoundError:
+                raise CorruptCheckpointError(f"{where}: blob {rel} is missing", where) from None
+            try:
+                entries = fmt._unpack(data)
+                assert isinstance(entries, list)
+            except Exception:
+                raise CorruptCheckpointError(f"{where}: blob {rel} is damaged (not a msgpack list)", where) from None
+            self._blobs[rel] = entries
+        return self._blobs[rel]
+
+    def packed(self, rec: dict) -> np.ndarray:
+        where = treepath.keystr(tuple(map(tuple, rec["p"])))
+        entries = self._blob(rec["b"], where)
+        if not 0 <= rec["bi"] < len(entries) or not isinstance(entries[rec["bi"]], bytes):
+            raise CorruptCheckpointError(f"{where}: entry {rec['bi']} missing from blob {rec['b']}", where)
+        raw = entries[rec["bi"]]
+        if fmt.crc32c(raw) != rec["crc"]:
+            raise CorruptCheckpointError(f"{where}: checksum mismatch in {rec['b']} (the data is damaged)", where)
+        dt = fmt.logical_dtype(rec["dt"])
+        if len(raw) != math.prod(rec["sh"]) * dt.itemsize:
+            raise CorruptCheckpointError(f"{where}: {len(raw)} bytes stored, shape {rec['sh']} needs "
+                                         f"{math.prod(rec['sh']) * dt.itemsize}", where)
+        return np.frombuffer(raw, dtype=fmt.storage_dtype(rec["dt"])).view(dt).reshape(rec["sh"]).copy()
+
+    def array(self, rec: dict):
+        """The opened tensorstore of an array leaf (metadata checked against the manifest)."""
+        where = treepath.keystr(tuple(map(tuple, rec["p"])))
+        spec = {"driver": "zarr3", "kvstore": self.store.kvstore(f"{self.base}/{rec['z']}"),
+                "fill_missing_data_reads": False, "open": True}
+        try:
+            arr = ts.open(spec).result()
+        except Exception as e:
+            raise CorruptCheckpointError(f"{where}: cannot open array {rec['z']}: {str(e)[:300]}", where) from None
+        if list(arr.shape) != rec["sh"] or arr.dtype.numpy_dtype != np.dtype(fmt.storage_dtype(rec["dt"])):
+            raise CorruptCheckpointError(f"{where}: array metadata {list(arr.shape)} {arr.dtype} disagrees "
+                                         f"with the manifest {rec['sh']} {rec['dt']}", where)
+        return arr
+
+    def read_box(self, rec: dict, box, arr=None) -> np.ndarray:
+        where = treepath.keystr(tuple(map(tuple, rec["p"])))
+        if rec["k"] == "packed":
+            full = self.packed(rec)
+            return full[tuple(slice(a, b) for a, b in box)]
+        arr = arr if arr is not None else self.array(rec)
+        try:
+            out = arr[tuple(slice(a, b) for a, b in box)].read().result()
+        except Exception as e:
+            raise CorruptCheckpointError(f"{where}: reading {rec['z']} failed (damaged or missing chunk): "
+                                         f"{str(e)[:300]}", where) from None
+        return out.view(fmt.logical_dtype(rec["dt"]))
+
+
+def _host_value(rec: dict, data: np.ndarray):
+    if rec.get("prng"):
+        return jax.random.wrap_key_data(data, impl=rec["prng"])
+    if rec.get("o") == "npscalar":
+        return data[()]
+    return data
+
+
+def _target_kind(t):
+    if t is None or isinstance(t, (bool, int, float, str, bytes)):
+        return "host"
+    if isinstance(t, (np.ndarray, np.generic)):
+        return "numpy"
+    if isinstance(t, (jax.Array, jax.ShapeDtypeStruct)):
+        return "jax"
+    return "other"
+
+
+def _expected(rec: dict) -> str:
+    if rec["k"] in ("py", "none"):
+        return "None" if rec["k"] == "none" else f"{type(rec['v']).__name__} value"
+    dt = f"key<{rec['prng']}>" if rec.get("prng") else rec["dt"]
+    shape = rec["sh"][:len(rec["sh"]) - len(rec.get("kshape", []))] if rec.get("prng") else rec["sh"]
+    return f"{dt}{list(shape)}"
+
+
+def _check(rec: dict, t, where: str) -> tuple | None:
+    kind = _target_kind(t)
+    if rec["k"] == "none":
+        return None if t is None else (where, "None", type(t).__name__)
+    if rec["k"] == "py":
+        return None if kind == "host" else (where, _expected(rec), f"{type(t).__name__}")
+    if kind == "host":
+        return None
+    if kind == "other":
+        return (where, _expected(rec), f"unsupported target leaf {type(t).__name__}")
+    if treepath.is_prng_key(t):
+        data = jax.eval_shape(jax.random.key_data, t)
+        if rec.get("prng") and list(data.shape) == rec["sh"] and fmt.dtype_name(data.dtype) == rec["dt"]:
+            return None
+        return (where, _expected(rec), f"PRNG key{list(t.shape)} (key data {fmt.dtype_name(data.dtype)}{list(data.shape)})")
+    if rec.get("prng") or list(t.shape) != rec["sh"] or fmt.dtype_name(t.dtype) != rec["dt"]:
+        return (where, _expected(rec), f"{fmt.dtype_name(t.dtype)}{list(t.shape)}")
+    return None
+
+
+def restore(store: Store, step: int, target=None, *, manifest: dict | None = None):
+    """Restore step `step`; see the module docstring. Raises IncompatibleCheckpointError listing every
+    mismatched key path, CorruptCheckpointError naming the damaged leaf."""
+    m = manifest or read_manifest(store, step)
+    recs = m["leaves"]
+    reader = leaf_reader(store, step, m)
+    if target is None:
+        leaves = [_restore_leaf(reader, rec, None) for rec in recs]
+        return treepath.rebuild(m["tree"], leaves)
+    flat = treepath.flatten(target)
+    order = treepath.match([r["p"] for r in recs], flat.paths)
+    problems = [p for i, t, path in zip(order, flat.leaves, flat.paths)
+                if (p := _check(recs[i], t, treepath.keystr(path)))]
+    if problems:
+        lines = "\n".join(f"  {w}: checkpoint has {a}, target expects {b}" for w, a, b in problems[:50])
+        raise IncompatibleCheckpointError(
+            f"step {step}: {len(problems)} leaf/leaves differ in shape or dtype:\n{lines}\n"
+            f"Fix: restore onto a target built like the saved state, or pass target=None.", problems)
+    leaves = [_restore_leaf(reader, recs[i], t) for i, t in zip(order, flat.leaves)]
+    treedef = jax.tree_util.tree_structure(target, is_leaf=lambda x: x is None)
+    return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def _restore_leaf(reader: leaf_reader, rec: dict, t):
+    if rec["k"] == "none":
+        return None
+    if rec["k"] == "py":
+        return rec["v"]
+    kind = _target_kind(t)
+    full = tuple((0, d) for d in rec["sh"])
+    if kind in ("host", "numpy") or (kind == "jax" and getattr(t, "sharding", None) is None):
+        data = reader.read_box(rec, full)
+        value = _host_value(rec, data) if kind != "numpy" else data
+        return jax.device_put(value) if kind == "jax" and not rec.get("prng") else value
+    sharding = t.sharding
+    if rec.get("prng"):
+        keys = jax.random.wrap_key_data(reader.read_box(rec, full), impl=rec["prng"])
+        return jax.device_put(keys, sharding)
+    shape = tuple(rec["sh"])
+    dmap = sharding.addressable_devices_indices_map(shape)
+    boxes = [layout.box_of(idx, shape) for idx in dmap.values()]
+    if not boxes:
+        host, bbox = None, full
+    else:
+        bbox = layout.bounding(boxes)
+        host = reader.read_box(rec, bbox)
+
+    def cb(index):
+        b = layout.box_of(index, shape)
+        return host[tuple(slice(lo - o, hi - o) for (lo, hi), (o, _) in zip(b, bbox))]
+
+    return jax.make_array_from_callback(shape, sharding, cb)

@@ -1,0 +1,205 @@
+"""Retention: small policy objects that say which committed steps to keep.
+
+Example::
+
+    import ckpt_callbacks as cc
+    policy = [cc.KeepLast(2), cc.KeepBest("val_loss", mode="min", n=1)]   # kept if ANY keeps
+    cc.retention_from_config({"keep_last": 2, "keep_best": {"metric": "val_loss", "mode": "min"}})
+
+Who calls what: after each durable commit, `CheckpointManager` (process 0 only) builds a
+`StepInfo` per committed step from the manifests and calls `decide(policies, infos)`; the steps
+not kept are deleted in the background. `decide` always keeps the newest committed step. Policies
+are pure: the same infos in any order give the same answer.
+
+Semantics: `KeepBest` ranks only steps that reported the metric; NaN ranks worst; ties go to the
+newer step. A step without the metric is kept only if another policy keeps it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Iterable, Mapping, Sequence
+
+from .errors import ConfigError
+
+__all__ = ["StepInfo", "Policy", "KeepLast", "KeepEvery", "KeepBest", "KeepSteps", "KeepEveryNSeconds",
+           "decide", "retention_from_config", "as_policies", "best_policy"]
+
+
+@dataclasses.dataclass(frozen=True)
+class StepInfo:
+    step: int
+    time: float = 0.0
+    metrics: Mapping = dataclasses.field(default_factory=dict)
+
+
+class Policy:
+    """A retention policy: `keep(infos)` returns the set of steps it keeps."""
+
+    def keep(self, infos: Sequence[StepInfo]) -> set[int]:
+        raise NotImplementedError
+
+
+def _positive(name, n):
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ConfigError(f"{name} must be a positive int, got {n!r}")
+    return n
+
+
+@dataclasses.dataclass(frozen=True)
+class KeepLast(Policy):
+    """Keep the `n` newest steps."""
+    n: int
+
+    def __post_init__(self):
+        _positive("keep_last", self.n)
+
+    def keep(self, infos):
+        return set(sorted(i.step for i in infos)[-self.n:])
+
+
+@dataclasses.dataclass(frozen=True)
+class KeepEvery(Policy):
+    """Keep steps that are multiples of `n` (e.g. every 1000th step as a permanent record)."""
+    n: int
+
+    def __post_init__(self):
+        _positive("keep_every", self.n)
+
+    def keep(self, infos):
+        return {i.step for i in infos if i.step % self.n == 0}
+
+
+@dataclasses.dataclass(frozen=True)
+class KeepSteps(Policy):
+    """Keep exactly these steps when they exist."""
+    steps: frozenset
+
+    def __init__(self, steps: Iterable[int]):
+        steps = list(steps)
+        if not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in steps):
+            raise ConfigError(f"keep_steps must be a list of non-negative ints, got {steps!r}")
+        object.__setattr__(self, "steps", frozenset(steps))
+
+    def keep(self, infos):
+        return {i.step for i in infos if i.step in self.steps}
+
+
+@dataclasses.dataclass(frozen=True)
+class KeepBest(Policy):
+    """Keep the `n` best steps by `metric` (`mode` "min" or "max"); steps without it never rank."""
+    metric: str
+    mode: str = "min"
+    n: int = 1
+
+    def __post_init__(self):
+        if not isinstance(self.metric, str) or not self.metric:
+            raise ConfigError(f"keep_best.metric must be a non-empty str, got {self.metric!r}")
+        if self.mode not in ("min", "max"):
+            raise ConfigError(f"keep_best.mode must be 'min' or 'max', got {self.mode!r}")
+        _positive("keep_best.n", self.n)
+
+    def rank(self, infos: Sequence[StepInfo]) -> list[int]:
+        """Steps that reported the metric, best first."""
+        def key(i):
+            v = float(i.metrics[self.metric])
+            if math.isnan(v):
+                return (1, 0.0, -i.step)
+            return (0, v if self.mode == "min" else -v, -i.step)
+        cands = [i for i in infos if _has_number(i.metrics, self.metric)]
+        return [i.step for i in sorted(cands, key=key)]
+
+    def keep(self, infos):
+        return set(self.rank(infos)[:self.n])
+
+
+def _has_number(metrics, name) -> bool:
+    v = (metrics or {}).get(name)
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+@dataclasses.dataclass(frozen=True)
+class KeepEveryNSeconds(Policy):
+    """Keep the first step saved in each window of `seconds` (by the save time in the manifest)."""
+    seconds: float
+
+    def __post_init__(self):
+        if not isinstance(self.seconds, (int, float)) or isinstance(self.seconds, bool) or self.seconds <= 0:
+            raise ConfigError(f"keep_every_n_seconds must be a positive number, got {self.seconds!r}")
+
+    def keep(self, infos):
+        first: dict = {}
+        for i in sorted(infos, key=lambda i: (i.time, i.step)):
+            first.setdefault(math.floor(i.time / self.seconds), i.step)
+        return set(first.values())
+
+
+def as_policies(retention) -> list[Policy] | None:
+    """Normalize `retention` (None, a Policy, a list of them, or a config dict) to a list or None."""
+    if retention is None:
+        return None
+    if isinstance(retention, Mapping):
+        return retention_from_config(retention)
+    if isinstance(retention, Policy):
+        return [retention]
+    if isinstance(retention, (list, tuple)) and all(isinstance(p, Policy) for p in retention):
+        return list(retention)
+    raise ConfigError(f"retention must be None, a policy, a list of policies or a config dict; got {retention!r}")
+
+
+def best_policy(policies) -> KeepBest | None:
+    return next((p for p in policies or [] if isinstance(p, KeepBest)), None)
+
+
+def decide(policies: Sequence[Policy] | None, infos: Sequence[StepInfo]) -> set[int]:
+    """Steps to keep: any policy keeps it, or it is the newest. None keeps everything."""
+    steps = {i.step for i in infos}
+    if policies is None or not steps:
+        return steps
+    keep = {max(steps)}
+    for p in policies:
+        keep |= p.keep(infos)
+    return keep & steps
+
+
+_KEYS = ("keep_last", "keep_every", "keep_steps", "keep_best", "keep_every_n_seconds")
+
+
+def retention_from_config(config: Mapping, where: str = "retention") -> list[Policy]:
+    """Build policies from a dict such as ``{"keep_last": 3, "keep_best": {"metric": "val_loss"}}``.
+
+    Unknown keys and bad values raise ConfigError naming the key.
+    """
+    if not isinstance(config, Mapping):
+        raise ConfigError(f"{where} must be a mapping, got {type(config).__name__}")
+    policies: list[Policy] = []
+    for key, value in config.items():
+        if key not in _KEYS:
+            raise ConfigError(f"{where}.{key}: unknown retention key; expected one of {list(_KEYS)}")
+        if value is None:
+            continue
+        try:
+            if key == "keep_last":
+                policies.append(KeepLast(value))
+            elif key == "keep_every":
+                policies.append(KeepEvery(value))
+            elif key == "keep_steps":
+                if not isinstance(value, (list, tuple)):
+                    raise ConfigError(f"must be a list of steps, got {value!r}")
+                policies.append(KeepSteps(value))
+            elif key == "keep_every_n_seconds":
+                policies.append(KeepEveryNSeconds(value))
+            else:
+                if not isinstance(value, Mapping):
+                    raise ConfigError(f"must be a mapping with metric, mode, n; got {value!r}")
+                extra = set(value) - {"metric", "mode", "n"}
+                if extra:
+                    raise ConfigError(f"unknown key(s) {sorted(extra)}; expected metric, mode, n")
+                if "metric" not in value:
+                    raise ConfigError("missing 'metric'")
+                policies.append(KeepBest(value["metric"], value.get("mode", "min"), value.get("n", 1)))
+        except ConfigError as e:
+            msg = str(e)
+            raise ConfigError(msg if msg.startswith(f"{where}.") else f"{where}.{key}: {msg}") from None
+    return policies

@@ -1,0 +1,221 @@
+"""The blocking part of a save: classify leaves, plan the layout, and copy what will be written.
+
+Example::
+
+    from ckpt_callbacks.snapshot import plan, copy
+    snap = plan({"w": jax.numpy.ones((8, 8))})
+    items = []
+    copy(snap, items.append)   # returns once the copies are taken; `w` may now be donated
+
+Who calls what: `CheckpointManager.save` calls `plan` then `copy` on every process, on the caller's
+thread, while the background writer (`writing.Writer`) consumes the copies `copy` emits. Everything that
+depends on the caller's buffers happens here; nothing after it reads them.
+
+Copies: jax.Array shards this process writes are copied on their device (`jax.device_put` with
+``may_alias=False``), numpy leaves with `np.array`. With a `ByteBudget`, each copy first reserves its
+bytes and the writer releases them once written, so staging memory never exceeds the budget (the
+save then blocks until enough earlier shards are written).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import threading
+import time
+from typing import Any
+
+import jax
+import numpy as np
+
+from . import format as fmt
+from . import layout, treepath
+from .coordination import Coordinator, SingleProcess
+from .errors import InvalidTreeError
+
+__all__ = ["plan", "copy", "Snapshot", "ByteBudget", "PACK_MAX_BYTES", "CHUNK_MAX_BYTES"]
+
+PACK_MAX_BYTES = 1 << 20      # leaves up to this size are packed into msgpack blobs
+CHUNK_MAX_BYTES = 64 << 20    # zarr chunks are capped at this size
+BLOB_MAX_BYTES = 64 << 20     # a blob holds packed leaves up to this total
+
+
+class ByteBudget:
+    """A counting semaphore over bytes. `acquire` blocks while the budget is used up."""
+
+    def __init__(self, limit: int | None):
+        self.limit, self.used, self.peak = limit, 0, 0
+        self._cv = threading.Condition()
+
+    def acquire(self, n: int) -> None:
+        with self._cv:
+            if self.limit is not None:
+                # a single item larger than the budget is allowed alone
+                self._cv.wait_for(lambda: self.used == 0 or self.used + n <= self.limit)
+            self.used += n
+            self.peak = max(self.peak, self.used)
+
+    def release(self, n: int) -> None:
+        with self._cv:
+            self.used -= n
+            self._cv.notify_all()
+
+
+@dataclasses.dataclass
+class ArrayWrite:
+    leaf: int
+    box: layout.Box
+    data: Any          # private copy: jax.Array (single device) or np.ndarray
+    nbytes: int
+
+
+@dataclasses.dataclass
+class Snapshot:
+    """What the writer needs; built by `take`. Leaf records become the manifest's ``leaves``."""
+
+    records: list                  # one dict per leaf (manifest form, filled further by the writer)
+    skeleton: Any
+    array_leaves: list             # leaf indices stored as zarr arrays
+    process_index: int
+    process_count: int
+    bytes_total: int               # unique bytes of the tree (all processes)
+    started: float
+    blocking_s: float = 0.0
+    _sources: Any = None           # the caller's leaves; dropped by `copy`
+    _boxes: Any = None             # (leaf, box, devices, nbytes) this process writes
+
+
+def _sharding_desc(x) -> dict:
+    s = getattr(x, "sharding", None)
+    if isinstance(s, jax.sharding.NamedSharding):
+        return {"type": "NamedSharding", "mesh": {str(k): int(v) for k, v in s.mesh.shape.items()},
+                "spec": [None if p is None else (list(p) if isinstance(p, tuple) else str(p)) for p in s.spec]}
+    if isinstance(s, jax.sharding.SingleDeviceSharding):
+        return {"type": "SingleDeviceSharding"}
+    if s is None:
+        return {"type": "host"}
+    return {"type": type(s).__name__}
+
+
+def _classify(path, x) -> dict:
+    """The manifest record for one leaf, without storage details."""
+    where = treepath.keystr(path)
+    rec: dict = {"p": [list(e) for e in path]}
+    if x is None:
+        rec["k"] = "none"
+    elif isinstance(x, (bool, str, bytes, float)) or (isinstance(x, int) and -2**63 <= x < 2**64):
+        rec.update(k="py", v=x)
+    elif isinstance(x, int):
+        raise InvalidTreeError(f"at {where}: int {x} does not fit in 64 bits; store it as a str")
+    elif isinstance(x, (np.ndarray, np.generic, jax.Array)):
+        if isinstance(x, np.ndarray) and x.dtype == object:
+            raise InvalidTreeError(f"at {where}: numpy arrays of dtype object cannot be saved")
+        rec["o"] = "jax" if isinstance(x, jax.Array) else ("numpy" if isinstance(x, np.ndarray) else "npscalar")
+        if treepath.is_prng_key(x):
+            rec["prng"] = str(jax.random.key_impl(x))
+            rec["kshape"] = list(jax.random.key_data(x).shape[x.ndim:])
+            x = jax.random.key_data(x)
+        dt = fmt.dtype_name(x.dtype)
+        try:
+            fmt.logical_dtype(dt)
+        except Exception:
+            raise InvalidTreeError(f"at {where}: dtype {dt} cannot be saved") from None
+        rec.update(k="array", dt=dt, sh=[int(d) for d in x.shape], sd=_sharding_desc(x))
+    else:
+        raise InvalidTreeError(
+            f"at {where}: cannot save a leaf of type {type(x).__module__}.{type(x).__qualname__}; "
+            f"leaves must be jax/numpy arrays, numpy scalars, int, float, bool, str, bytes or None "
+            f"(register custom containers as pytrees)")
+    return rec
+
+
+def plan(tree, *, budget: ByteBudget | None = None, coord: Coordinator | None = None,
+         pack_max_bytes: int = PACK_MAX_BYTES, chunk_max_bytes: int = CHUNK_MAX_BYTES) -> Snapshot:
+    """Classify leaves and decide the layout and who writes what. Reads no array data."""
+    t0 = time.perf_counter()
+    coord = coord or SingleProcess()
+    pi, pc = coord.process_index, coord.process_count
+    try:
+        flat = treepath.flatten(tree)
+    except TypeError as e:
+        raise InvalidTreeError(str(e)) from None
+    records, sources = [], []
+    for path, x in zip(flat.paths, flat.leaves):
+        rec = _classify(path, x)
+        if rec.get("prng"):
+            x = jax.random.key_data(x)
+        records.append(rec)
+        sources.append(x)
+
+    # decide packed vs zarr, and who writes what (identically on every process)
+    pack_items, pack_leaves, box_items, box_meta = [], [], [], []
+    array_leaves = []
+    bytes_total = 0
+    for i, (rec, x) in enumerate(zip(records, sources)):
+        if rec["k"] != "py" and rec["k"] != "none":
+            nbytes = math.prod(rec["sh"]) * np.dtype(x.dtype).itemsize
+            bytes_total += nbytes
+            is_jax = isinstance(x, jax.Array)
+            whole_here = not is_jax or x.is_fully_addressable or x.is_fully_replicated
+            if nbytes <= pack_max_bytes and whole_here:
+                rec["k"] = "packed"
+                if not is_jax or x.is_fully_replicated:
+                    holders = list(range(pc))
+                else:
+                    holders = [pi]
+                pack_items.append((nbytes, holders))
+                pack_leaves.append(i)
+            else:
+                rec["k"] = "array"
+                rec["z"] = f"arrays/{i}"
+                array_leaves.append(i)
+                itemsize = np.dtype(x.dtype).itemsize
+                if is_jax:
+                    boxes = layout.unique_boxes(x.sharding, x.shape)
+                else:
+                    boxes = [(tuple((0, d) for d in x.shape), [None])]
+                shard = max((layout.box_shape(b) for b, _ in boxes), key=math.prod)
+                rec["ch"] = list(layout.chunk_shape(shard, itemsize, chunk_max_bytes))
+                for b, devs in boxes:
+                    procs = sorted({d.process_index for d in devs}) if is_jax else list(range(pc))
+                    box_items.append((math.prod(layout.box_shape(b)) * itemsize, procs))
+                    box_meta.append((i, b, devs))
+
+    writers = layout.assign(box_items + pack_items, pc)
+    for i, w in zip(pack_leaves, writers[len(box_items):]):
+        records[i]["w"] = w
+    snap = Snapshot(records, flat.skeleton, array_leaves, pi, pc, bytes_total, t0)
+    snap._sources = sources
+    snap._boxes = [(i, b, devs, nbytes) for (i, b, devs), w, (nbytes, _)
+                   in zip(box_meta, writers[:len(box_items)], box_items) if w == pi]
+    return snap
+
+
+def copy(snap: Snapshot, emit, budget: ByteBudget | None = None) -> None:
+    """Copy every leaf this process writes, in order, handing each copy to `emit`.
+
+    `emit(("packed", leaf, ndarray))` or `emit(("array", ArrayWrite))`; then `emit(None)`. With a
+    budget, each copy first reserves its bytes; the consumer releases them once written.
+    Drops the snapshot's references to the caller's buffers before returning.
+    """
+    sources, pi = snap._sources, snap.process_index
+    for i, rec in enumerate(snap.records):
+        if rec["k"] == "packed" and rec["w"] == pi:
+            arr = np.array(sources[i], copy=True)
+            if budget:
+                budget.acquire(arr.nbytes)
+            emit(("packed", i, arr))
+    for i, b, devs, nbytes in snap._boxes:
+        x = sources[i]
+        if budget:
+            budget.acquire(nbytes)
+        if isinstance(x, jax.Array):
+            mine = next(d for d in devs if d.process_index == pi)
+            shard = next(s for s in x.addressable_shards if s.device == mine)
+            data = jax.device_put(shard.data, shard.device, may_alias=False)
+        else:
+            data = np.array(x, copy=True)
+        emit(("array", ArrayWrite(i, b, data, nbytes)))
+    snap._sources = snap._boxes = None
+    snap.blocking_s = time.perf_counter() - snap.started
+    emit(None)

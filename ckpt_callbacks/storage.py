@@ -1,0 +1,309 @@
+"""Where checkpoints live: a local POSIX directory or an object-store prefix, behind one small seam.
+
+Example::
+
+    from ckpt_callbacks.storage import open_store
+    store = open_store("/tmp/run")          # or "s3://bucket/prefix", "gs://bucket/prefix", "file:///x"
+    store.committed_steps()                 # [] on a new directory
+
+Who calls what, in order, for one save (process 0 unless said otherwise):
+  1. ``begin(step, token)`` on every process -> the staging location (relative name) to write into;
+  2. every process writes arrays through ``kvstore(rel)`` (tensorstore) and blobs through ``write``,
+     then calls ``sync(rel_dirs)`` so that its own bytes are durable;
+  3. after a barrier, process 0 writes the manifest and calls ``publish(staging, step)``: POSIX
+     fsyncs and renames ``step_N.tmp-<token>`` to ``step_N`` and fsyncs the parent; object stores write
+     the commit marker ``commits/step_N`` last. Only then is the step visible to ``committed_steps``.
+Deletion (``delete``) hides the step first (rename to ``.del-``, or marker removed first), then removes
+its bytes, so a half-deleted step is never seen as committed. ``leftovers`` lists only names this
+package creates (``step_N.tmp-*``, ``step_N.del-*``, uncommitted ``step_N/`` prefixes).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+import urllib.parse
+
+import tensorstore as ts
+
+from . import format as fmt
+from .errors import CheckpointError, CheckpointNotFoundError
+
+__all__ = ["Store", "LocalStore", "ObjectStore", "open_store"]
+
+MARKERS = "commits/"
+
+
+class Store:
+    """Common interface; see the module docstring for the call order."""
+
+    url: str
+    local: bool
+
+    def kvstore(self, rel: str) -> dict:
+        raise NotImplementedError
+
+    def write(self, rel: str, data: bytes) -> None:
+        raise NotImplementedError
+
+    def read(self, rel: str) -> bytes:
+        raise NotImplementedError
+
+    def committed_steps(self) -> list[int]:
+        raise NotImplementedError
+
+    def step_dir(self, step: int) -> str:
+        return fmt.step_name(step)
+
+    def begin(self, step: int, token: str) -> str:
+        raise NotImplementedError
+
+    def sync(self, rels: list[str]) -> None:
+        pass
+
+    def publish(self, staging: str, step: int, replace: bool = False) -> None:
+        raise NotImplementedError
+
+    def delete(self, step: int) -> None:
+        raise NotImplementedError
+
+    def leftovers(self) -> list[str]:
+        raise NotImplementedError
+
+    def remove(self, name: str) -> None:
+        raise NotImplementedError
+
+    def abort(self, staging: str) -> None:
+        self.remove(staging)
+
+    def size(self, step: int) -> int | None:
+        return None
+
+    def check_writable(self) -> None:
+        pass
+
+
+def _fsync_path(path: str, directory: bool = False) -> None:
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
+    try:
+        os.fsync(fd)  # an error here aborts the save: never retried (fsyncgate)
+    finally:
+        os.close(fd)
+
+
+class LocalStore(Store):
+    """A POSIX directory; commit by atomic rename of a staging directory."""
+
+    local = True
+
+    def __init__(self, root: str):
+        self.root = os.path.abspath(root)
+        self.url = self.root
+
+    def path(self, rel: str) -> str:
+        return os.path.join(self.root, rel)
+
+    def kvstore(self, rel: str) -> dict:
+        return {"driver": "file", "path": self.path(rel) + "/"}
+
+    def write(self, rel: str, data: bytes) -> None:
+        p = self.path(rel)
+        os.makedirs(os.path.dirname(p), exist_ok=True)
+        with open(p, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+
+    def read(self, rel: str) -> bytes:
+        try:
+            with open(self.path(rel), "rb") as f:
+                return f.read()
+        except FileNotFoundError:
+            raise CheckpointNotFoundError(f"{self.path(rel)} does not exist") from None
+
+    def committed_steps(self) -> list[int]:
+        try:
+            names = os.listdir(self.root)
+        except FileNotFoundError:
+            return []
+        return sorted(s for s in map(fmt.parse_step_name, names) if s is not None)
+
+    def begin(self, step: int, token: str) -> str:
+        rel = f"{fmt.step_name(step)}.tmp-{token}"
+        os.makedirs(self.path(rel), exist_ok=True)
+        return rel
+
+    def sync(self, rels: list[str]) -> None:
+        for rel in rels:
+            top = self.path(rel)
+            if not os.path.exists(top):
+                continue
+            if os.path.isfile(top):
+                _fsync_path(top)
+                continue
+            for dirpath, _, files in os.walk(top):
+                for f in files:
+                    _fsync_path(os.path.join(dirpath, f))
+                _fsync_path(dirpath, directory=True)
+
+    def publish(self, staging: str, step: int, replace: bool = False) -> None:
+        final = self.path(fmt.step_name(step))
+        self.sync([staging])
+        old = None
+        if os.path.exists(final):
+            if not replace:
+                raise CheckpointError(f"{final} already exists")
+            old = f"{fmt.step_name(step)}.del-{os.urandom(6).hex()}"
+            os.rename(final, self.path(old))
+        os.rename(self.path(staging), final)
+        _fsync_path(self.root, directory=True)
+        if old:
+            shutil.rmtree(self.path(old), ignore_errors=True)
+
+    def delete(self, step: int) -> None:
+        hidden = f"{fmt.step_name(step)}.del-{os.urandom(6).hex()}"
+        try:
+            os.rename(self.path(fmt.step_name(step)), self.path(hidden))
+        except FileNotFoundError:
+            return
+        _fsync_path(self.root, directory=True)
+        shutil.rmtree(self.path(hidden), ignore_errors=True)
+
+    def leftovers(self) -> list[str]:
+        try:
+            return sorted(n for n in os.listdir(self.root) if fmt.STAGING_RE.match(n))
+        except FileNotFoundError:
+            return []
+
+    def remove(self, name: str) -> None:
+        if not fmt.STAGING_RE.match(name):
+            raise ValueError(f"refusing to remove {name!r}: not a name ckpt_callbacks creates")
+        shutil.rmtree(self.path(name), ignore_errors=True)
+
+    def size(self, step: int) -> int | None:
+        total = 0
+        for dirpath, _, files in os.walk(self.path(fmt.step_name(step))):
+            total += sum(os.path.getsize(os.path.join(dirpath, f)) for f in files)
+        return total
+
+    def check_writable(self) -> None:
+        try:
+            os.makedirs(self.root, exist_ok=True)
+        except OSError as e:
+            raise CheckpointError(f"cannot create checkpoint directory {self.root}: {e}") from None
+        if not os.access(self.root, os.W_OK | os.X_OK):
+            raise CheckpointError(f"checkpoint directory {self.root} is not writable by this process "
+                                  f"(uid {os.getuid()}); fix its permissions or choose another directory")
+
+
+class ObjectStore(Store):
+    """An s3:// or gs:// prefix through tensorstore's kvstore drivers; commit by a marker written last."""
+
+    local = False
+
+    def __init__(self, url: str, retries: int = 5, backoff_s: float = 0.2):
+        u = urllib.parse.urlparse(url)
+        if not u.netloc:
+            raise ValueError(f"{url!r}: expected s3://bucket/prefix or gs://bucket/prefix")
+        self.scheme, self.bucket = u.scheme, u.netloc
+        self.prefix = u.path.strip("/") + "/" if u.path.strip("/") else ""
+        self.url = f"{u.scheme}://{u.netloc}/{self.prefix}"
+        self.retries, self.backoff_s = retries, backoff_s
+        self._kv = None
+
+    def _spec(self, path: str) -> dict:
+        if self.scheme == "gs":
+            return {"driver": "gcs", "bucket": self.bucket, "path": path}
+        spec = {"driver": "s3", "bucket": self.bucket, "path": path}
+        endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+        if endpoint:
+            spec["endpoint"] = endpoint
+        region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+        if region:
+            spec["aws_region"] = region
+        return spec
+
+    def kvstore(self, rel: str) -> dict:
+        return self._spec(self.prefix + rel + "/")
+
+    @property
+    def kv(self):
+        if self._kv is None:
+            self._kv = self._retry(lambda: ts.KvStore.open(self._spec(self.prefix)).result(), "open")
+        return self._kv
+
+    def _retry(self, fn, what: str):
+        delay = self.backoff_s
+        for attempt in range(self.retries + 1):
+            try:
+                return fn()
+            except (ValueError, RuntimeError, OSError) as e:
+                if attempt == self.retries:
+                    raise CheckpointError(f"{self.url}: {what} failed after {self.retries + 1} attempts: "
+                                          f"{type(e).__name__}: {str(e)[:300]}") from None
+                time.sleep(delay)
+                delay *= 2
+
+    def write(self, rel: str, data: bytes) -> None:
+        self._retry(lambda: self.kv.write(rel, data).result(), f"write {rel}")
+
+    def read(self, rel: str) -> bytes:
+        r = self._retry(lambda: self.kv.read(rel).result(), f"read {rel}")
+        if r.state != "value":
+            raise CheckpointNotFoundError(f"{self.url}{rel} does not exist")
+        return bytes(r.value)
+
+    def _list(self, prefix: str) -> list[str]:
+        rng = ts.KvStore.KeyRange(prefix, prefix[:-1] + chr(ord(prefix[-1]) + 1)) if prefix else ts.KvStore.KeyRange()
+        keys = self._retry(lambda: self.kv.list(rng).result(), f"list {prefix or '/'}")
+        return [k.decode() for k in keys]
+
+    def _delete_prefix(self, prefix: str) -> None:
+        rng = ts.KvStore.KeyRange(prefix, prefix[:-1] + chr(ord(prefix[-1]) + 1))
+        self._retry(lambda: self.kv.delete_range(rng).result(), f"delete {prefix}")
+
+    def committed_steps(self) -> list[int]:
+        names = (k[len(MARKERS):] for k in self._list(MARKERS))
+        return sorted(s for s in map(fmt.parse_step_name, names) if s is not None)
+
+    def begin(self, step: int, token: str) -> str:
+        return fmt.step_name(step)
+
+    def publish(self, staging: str, step: int, replace: bool = False) -> None:
+        marker = MARKERS + fmt.step_name(step)
+        self.write(marker, fmt.step_name(step).encode())
+
+    def delete(self, step: int) -> None:
+        name = fmt.step_name(step)
+        self._retry(lambda: self.kv.delete_range(ts.KvStore.KeyRange(MARKERS + name, MARKERS + name + "\0")).result(),
+                    f"delete marker {name}")
+        self._delete_prefix(name + "/")
+
+    def leftovers(self) -> list[str]:
+        committed = {fmt.step_name(s) for s in self.committed_steps()}
+        tops = {k.split("/", 1)[0] for k in self._list("") if "/" in k}
+        return sorted(t for t in tops if fmt.STEP_RE.match(t) and t not in committed)
+
+    def remove(self, name: str) -> None:
+        if not fmt.STEP_RE.match(name):
+            raise ValueError(f"refusing to remove {name!r}: not a name ckpt_callbacks creates")
+        if fmt.parse_step_name(name) in self.committed_steps():
+            raise ValueError(f"refusing to remove committed step {name}")
+        self._delete_prefix(name + "/")
+
+    def size(self, step: int) -> int | None:
+        return None
+
+
+def open_store(directory) -> Store:
+    """A Store for a local path, ``file://`` URL, ``s3://bucket/prefix`` or ``gs://bucket/prefix``."""
+    directory = os.fspath(directory)
+    scheme = urllib.parse.urlparse(directory).scheme
+    if scheme in ("s3", "gs"):
+        return ObjectStore(directory)
+    if scheme == "file":
+        return LocalStore(urllib.parse.urlparse(directory).path)
+    if scheme and len(scheme) > 1:
+        raise ValueError(f"{directory!r}: unsupported URL scheme {scheme!r} (use a path, file://, s3:// or gs://)")
+    return LocalStore(directory)

@@ -1,0 +1,168 @@
+"""Typed key paths and tree skeletons: how a pytree's structure is written down and rebuilt.
+
+Example::
+
+    from ckpt_callbacks import treepath
+    flat = treepath.flatten({"a": [1, None], "b": {}})
+    [p.text for p in flat.paths]          # ["['a'][0]", "['a'][1]"]
+    treepath.rebuild(flat.skeleton, ["x", None])   # {'a': ['x', None], 'b': {}}
+
+A key path is a tuple of entries, each a 2-list ``[kind, key]``: ``"d"`` a dict key (str or int,
+its type kept), ``"i"`` a list/tuple index, ``"a"`` an attribute (NamedTuple, dataclass, flax
+struct), ``"f"`` a flattened index (other registered nodes). Key paths are names in the manifest
+only; no file name is ever derived from them, so no key can escape the step directory.
+
+The skeleton records container kinds so that ``restore(target=None)`` rebuilds dicts, lists,
+tuples, empty containers and Nones. NamedTuples and other registered nodes come back as dicts of
+their fields (rebuilding a class from a checkpoint would run code named by the file; pass a target
+to get the original classes). ``None`` is kept as a leaf of kind "none" so that it round-trips.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+from jax import tree_util as jtu
+
+from .errors import IncompatibleCheckpointError
+
+__all__ = ["KeyPath", "Flat", "flatten", "rebuild", "keystr", "match"]
+
+KeyPath = tuple  # tuple of (kind, key) pairs
+
+
+def _entry(k) -> tuple:
+    if isinstance(k, jtu.DictKey):
+        key = k.key
+        if isinstance(key, bool) or not isinstance(key, (str, int)):
+            raise TypeError(f"dict key {key!r} of type {type(key).__name__}: only str and int keys can be saved")
+        return ("d", key)
+    if isinstance(k, jtu.SequenceKey):
+        return ("i", k.idx)
+    if isinstance(k, jtu.GetAttrKey):
+        return ("a", k.name)
+    if isinstance(k, jtu.FlattenedIndexKey):
+        return ("f", k.key)
+    raise TypeError(f"unsupported key path entry {k!r}")
+
+
+def keystr(path: KeyPath) -> str:
+    """Human form of a typed key path, e.g. ``['params'][0].kernel`` (``<root>`` for the root)."""
+    out = []
+    for kind, key in path:
+        if kind == "d":
+            out.append(f"[{key!r}]")
+        elif kind == "a":
+            out.append(f".{key}")
+        else:
+            out.append(f"[{key}]")
+    return "".join(out) or "<root>"
+
+
+@dataclasses.dataclass(frozen=True)
+class Flat:
+    """A flattened tree: parallel lists of typed paths and leaves, plus the skeleton (msgpack-able)."""
+
+    paths: list
+    leaves: list
+    skeleton: Any
+
+    @property
+    def texts(self) -> list[str]:
+        return [keystr(p) for p in self.paths]
+
+
+def _children(node):
+    """One level of a pytree node: list of (entry, child) or None when `node` is a leaf."""
+    if node is None:
+        return None
+    kids, treedef = jtu.tree_flatten_with_path(node, is_leaf=lambda x: x is not node)
+    if treedef.num_leaves == 1 and treedef.num_nodes == 1:
+        return None  # a leaf: the tree is just itself
+    return [(_entry(kp[0]), child) for kp, child in kids]
+
+
+def _kind(node) -> tuple[str, str]:
+    if isinstance(node, dict):
+        return "dict", ""
+    if isinstance(node, list):
+        return "list", ""
+    if isinstance(node, tuple) and hasattr(node, "_fields"):
+        return "namedtuple", type(node).__qualname__
+    if isinstance(node, tuple):
+        return "tuple", ""
+    return "node", f"{type(node).__module__}.{type(node).__qualname__}"
+
+
+def flatten(tree) -> Flat:
+    """Flatten `tree` into typed key paths, leaves (``None`` included) and a skeleton.
+
+    Raises TypeError naming the key path for keys that cannot be written (non str/int dict keys).
+    """
+    paths: list = []
+    leaves: list = []
+
+    def walk(node, path):
+        if node is None:
+            paths.append(path)
+            leaves.append(None)
+            return {"l": len(leaves) - 1}
+        try:
+            kids = _children(node)
+        except TypeError as e:
+            raise TypeError(f"at {keystr(path)}: {e}") from None
+        if kids is None:
+            paths.append(path)
+            leaves.append(node)
+            return {"l": len(leaves) - 1}
+        kind, name = _kind(node)
+        return {"t": kind, "n": name, "c": [[list(e), walk(child, path + (e,))] for e, child in kids]}
+
+    skeleton = walk(tree, ())
+    return Flat(paths, leaves, skeleton)
+
+
+def rebuild(skeleton, leaves: list):
+    """Rebuild containers from a skeleton: dict/list/tuple as saved, other nodes as dicts of fields."""
+    def walk(node):
+        if "l" in node:
+            return leaves[node["l"]]
+        kids = [(tuple(e), walk(c)) for e, c in node["c"]]
+        kind = node["t"]
+        if kind == "list":
+            return [v for _, v in kids]
+        if kind == "tuple":
+            return tuple(v for _, v in kids)
+        return {e[1]: v for e, v in kids}
+    return walk(skeleton)
+
+
+def match(saved_paths: list, target_paths: list) -> list[int]:
+    """For each target path, the index of the saved leaf with the same typed path.
+
+    Raises IncompatibleCheckpointError listing every path missing on either side.
+    """
+    index = {tuple(map(tuple, p)): i for i, p in enumerate(saved_paths)}
+    order, missing = [], []
+    for p in target_paths:
+        i = index.pop(tuple(map(tuple, p)), None)
+        if i is None:
+            missing.append(p)
+        order.append(i)
+    if missing or index:
+        mismatches = [(keystr(p), "absent", "present") for p in missing]
+        mismatches += [(keystr(tuple(map(tuple, saved_paths[i]))), "present", "absent") for i in sorted(index.values())]
+        lines = "\n".join(f"  {k}: checkpoint has it: {'yes' if a == 'present' else 'no'}, target has it: {'yes' if b == 'present' else 'no'}"
+                          for k, a, b in mismatches[:50])
+        more = f"\n  ... and {len(mismatches) - 50} more" if len(mismatches) > 50 else ""
+        raise IncompatibleCheckpointError(
+            f"the restore target's structure differs from the checkpoint's at {len(mismatches)} key path(s):\n"
+            f"{lines}{more}\nFix: build the target with the same structure as the saved tree, "
+            f"or pass target=None to get the saved tree as host arrays.", mismatches)
+    return order
+
+
+def is_prng_key(x) -> bool:
+    return isinstance(x, (jax.Array, jax.ShapeDtypeStruct)) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)

@@ -1,0 +1,253 @@
+"""The background part of a save: write the copies, make them durable, commit, report timings.
+
+Example (what `CheckpointManager` does; most users never call this directly)::
+
+    import queue
+    from ckpt_callbacks import snapshot, writing
+    from ckpt_callbacks.storage import open_store
+    snap = snapshot.plan(tree)
+    q = queue.SimpleQueue()
+    snapshot.copy(snap, q.put)                       # caller's thread: the blocking part
+    stats = writing.write_and_commit(open_store("/tmp/run"), 10, snap, q)   # writer thread
+
+Who calls what, in order, on which process (every process runs this function for the same step):
+  1. ``store.begin`` -> staging location; process 0 creates every zarr array's metadata; barrier.
+  2. consume the queue: zarr writes (tensorstore futures) and msgpack blobs of packed leaves,
+     releasing the byte budget as each lands; then the per-process host-state blob.
+  3. ``store.sync`` this process's files; gather every process's status and packed-leaf checksums.
+  4. process 0 writes the manifest and ``store.publish``es (rename / marker) only if every process
+     succeeded, else removes the staging data; the outcome is broadcast, and every process raises
+     `CheckpointSaveError` (with each process's failure) when the save failed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import msgpack
+import numpy as np
+import tensorstore as ts
+
+from . import format as fmt
+from .coordination import Coordinator, SingleProcess
+from .errors import CheckpointSaveError
+from .snapshot import BLOB_MAX_BYTES, ByteBudget, Snapshot
+from .storage import Store
+
+__all__ = ["SaveStats", "write_and_commit", "zarr_spec"]
+
+
+@dataclasses.dataclass(frozen=True)
+class SaveStats:
+    """Timings and sizes of one save, as seen by this process (wall-clock seconds)."""
+
+    step: int
+    started: float          # time.time() when save() was called
+    blocking_s: float       # snapshot: the only part that stalls the caller
+    write_s: float          # from the end of the snapshot to this process's bytes being durable
+    commit_s: float         # barrier + manifest + rename/marker
+    total_s: float          # save() call to durable commit
+    bytes_written: int      # by this process
+    bytes_total: int        # unique bytes of the tree (all processes)
+    files: int              # files/objects written by this process
+    process_index: int = 0
+    gc_s: float = 0.0
+    deleted: tuple = ()
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def zarr_spec(store: Store, rel: str, rec: dict) -> dict:
+    """The tensorstore spec of one zarr3 array leaf (uncompressed, crc32c per chunk)."""
+    return {
+        "driver": "zarr3",
+        "kvstore": store.kvstore(rel),
+        "metadata": {
+            "shape": rec["sh"],
+            "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": rec["ch"]}},
+            "chunk_key_encoding": {"name": "default"},
+            "data_type": fmt.storage_dtype(rec["dt"]),
+            "codecs": [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}],
+        },
+        "store_data_equal_to_fill_value": True,
+    }
+
+
+def _to_storage(a: np.ndarray, dt: str) -> np.ndarray:
+    sdt = fmt.storage_dtype(dt)
+    return a if sdt == dt else a.view(sdt)
+
+
+def write_and_commit(store: Store, step: int, snap: Snapshot, items, *, coord: Coordinator | None = None,
+                     metrics: dict | None = None, host_state: bytes | None = None,
+                     budget: ByteBudget | None = None, replace: bool = False, token: str = "0" * 12,
+                     timeout_s: float = 600.0, extra: dict | None = None) -> SaveStats:
+    """Run the background part of a save. `items` has ``.get()`` yielding what `snapshot.copy` emits."""
+    coord = coord or SingleProcess()
+    pi = coord.process_index
+    staging = store.begin(step, token)
+    error = None
+    written = files = 0
+    packed_info: dict = {}
+    mine: list = []
+    try:
+        arrays = _open_arrays(store, staging, snap, coord, timeout_s)
+        written, files, packed_info, mine = _consume(store, staging, snap, items, arrays, budget)
+        if host_state is not None:
+            rel = f"host/p{pi}.msgpack"
+            store.write(f"{staging}/{rel}", host_state)
+            files += 1
+            written += len(host_state)
+            mine.append(rel)
+        store.sync([f"{staging}/{r}" for r in mine])
+    except BaseException as e:  # noqa: BLE001 - reported to every process, then re-raised
+        error = e
+        _drain(items, budget)
+    t_written = time.perf_counter()
+    status = msgpack.packb({"ok": error is None, "err": None if error is None else f"{type(error).__name__}: {error}",
+                            "packed": packed_info, "host": pi if host_state is not None else None},
+                           use_bin_type=True)
+    try:
+        statuses = [msgpack.unpackb(s, strict_map_key=False) for s in coord.all_gather(f"status/{step}/{token}", status, timeout_s)]
+    except Exception as e:
+        _abort(store, staging)
+        raise CheckpointSaveError(f"save of step {step} failed: {e}", {pi: str(e)}) from (error or e)
+    failures = {p: s["err"] for p, s in enumerate(statuses) if not s["ok"]}
+    outcome = b""
+    if pi == 0:
+        if not failures:
+            try:
+                manifest = _manifest(step, snap, statuses, metrics, extra)
+                store.write(f"{staging}/{fmt.MANIFEST}", fmt.pack_manifest(manifest))
+                store.publish(staging, step, replace=replace)
+            except BaseException as e:  # noqa: BLE001
+                failures[0] = f"{type(e).__name__}: {e}"
+                error = error or e
+        if failures:
+            _abort(store, staging)
+        outcome = msgpack.packb(failures, use_bin_type=True)
+    try:
+        failures = msgpack.unpackb(coord.broadcast(f"outcome/{step}/{token}", outcome, timeout_s), strict_map_key=False)
+    except Exception as e:
+        raise CheckpointSaveError(f"save of step {step}: outcome unknown: {e}", {pi: str(e)}) from e
+    if failures:
+        lines = "; ".join(f"process {p}: {m}" for p, m in sorted(failures.items()))
+        raise CheckpointSaveError(f"save of step {step} failed and was not committed ({lines})", failures) from error
+    now = time.perf_counter()
+    return SaveStats(step=step, started=time.time() - (now - snap.started), blocking_s=snap.blocking_s,
+                     write_s=t_written - snap.started - snap.blocking_s, commit_s=now - t_written,
+                     total_s=now - snap.started, bytes_written=written, bytes_total=snap.bytes_total,
+                     files=files + (1 if pi == 0 else 0), process_index=pi)
+
+
+def _abort(store: Store, staging: str) -> None:
+    try:
+        store.abort(staging)
+    except Exception:  # noqa: BLE001 - leftovers are cleaned at the next start
+        pass
+
+
+def _drain(items, budget):
+    """After a failure: keep taking items so the producer never blocks on the budget."""
+    while True:
+        item = items.get()
+        if item is None:
+            return
+        if budget and item[0] != "abort":
+            budget.release(item[2].nbytes if item[0] == "packed" else item[1].nbytes)
+
+
+def _open_arrays(store, staging, snap, coord, timeout_s) -> dict:
+    recs = snap.records
+    if coord.process_index == 0:
+        futs = {i: ts.open(zarr_spec(store, f"{staging}/{recs[i]['z']}", recs[i]), create=True, open=True)
+                for i in snap.array_leaves}
+        arrays = {i: f.result() for i, f in futs.items()}
+    coord.barrier(f"meta/{snap.started}", timeout_s) if coord.process_count > 1 else None
+    if coord.process_index != 0:
+        futs = {i: ts.open(zarr_spec(store, f"{staging}/{recs[i]['z']}", recs[i]), open=True, assume_metadata=True)
+                for i in snap.array_leaves}
+        arrays = {i: f.result() for i, f in futs.items()}
+    return arrays
+
+
+def _consume(store, staging, snap, items, arrays, budget):
+    written = files = 0
+    futures = []
+    packed_info: dict = {}
+    blob: list = []
+    blob_leaves: list = []
+    blob_bytes = 0
+    mine: set = set()
+    nblob = 0
+
+    def flush():
+        nonlocal blob, blob_leaves, blob_bytes, nblob, written, files
+        if not blob:
+            return
+        rel = f"blobs/p{snap.process_index}-{nblob}.msgpack"
+        data = msgpack.packb(blob, use_bin_type=True)
+        store.write(f"{staging}/{rel}", data)
+        for j, (leaf, crc) in enumerate(blob_leaves):
+            packed_info[leaf] = [rel, j, crc]
+        if budget:
+            budget.release(blob_bytes)
+        written += len(data)
+        files += 1
+        mine.add(rel)
+        nblob += 1
+        blob, blob_leaves, blob_bytes = [], [], 0
+
+    def released(n):
+        return lambda _f: budget.release(n)
+
+    while True:
+        item = items.get()
+        if item is None:
+            break
+        if item[0] == "abort":
+            raise CheckpointSaveError(f"the snapshot failed: {item[1]}") from item[1]
+        if item[0] == "packed":
+            _, leaf, arr = item
+            raw = np.ascontiguousarray(_to_storage(arr, snap.records[leaf]["dt"])).tobytes()
+            blob.append(raw)
+            blob_leaves.append((leaf, fmt.crc32c(raw)))
+            blob_bytes += arr.nbytes
+            if blob_bytes >= BLOB_MAX_BYTES:
+                flush()
+            continue
+        w = item[1]
+        rec = snap.records[w.leaf]
+        data = _to_storage(np.asarray(w.data), rec["dt"])
+        fut = arrays[w.leaf][tuple(slice(a, b) for a, b in w.box)].write(data)
+        if budget:
+            fut.add_done_callback(released(w.nbytes))
+        futures.append(fut)
+        written += w.nbytes
+        mine.add(rec["z"])
+        files += max(1, int(np.prod([-(-(b - a) // c) for (a, b), c in zip(w.box, rec["ch"])])))
+    flush()
+    for f in futures:
+        f.result()
+    return written, files, packed_info, sorted(mine)
+
+
+def _manifest(step, snap: Snapshot, statuses, metrics, extra) -> dict:
+    leaves = []
+    for i, rec in enumerate(snap.records):
+        rec = dict(rec)
+        if rec["k"] == "packed":
+            rel, j, crc = statuses[rec["w"]]["packed"][i]
+            rec.update(b=rel, bi=j, crc=crc)
+        leaves.append(rec)
+    host = {p: f"host/p{p}.msgpack" for p, s in enumerate(statuses) if s["host"] is not None}
+    m = {"version": fmt.FORMAT_VERSION, "step": int(step), "time": time.time(),
+         "metrics": dict(metrics or {}), "process_count": snap.process_count, "tree": snap.skeleton,
+         "leaves": leaves, "host": host, "bytes": snap.bytes_total,
+         "timings": {"started": time.time() - (time.perf_counter() - snap.started),
+                     "blocking_s": snap.blocking_s, "write_s": time.perf_counter() - snap.started - snap.blocking_s}}
+    if extra:
+        m["extra"] = extra
+    return m

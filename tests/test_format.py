@@ -1,0 +1,97 @@
+"""Format v1 stability (golden checkpoint), manifest validation, and the no-orbax import rule."""
+
+import os
+import subprocess
+import sys
+
+import jax
+import ml_dtypes
+import msgpack
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import ckpt_callbacks as cc
+from ckpt_callbacks import format as fmt
+from helpers import assert_tree_equal
+
+GOLDEN = os.path.join(os.path.dirname(__file__), "data", "golden_v1")
+
+
+def golden_tree():
+    rng = np.random.default_rng(1234)
+    mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("a", "b"))
+    big = rng.standard_normal((512, 640)).astype(np.float32)   # > 1 MiB: a zarr array
+    return {
+        "params": {"w": jax.device_put(big, NamedSharding(mesh, P("a", "b"))),
+                   "b": jax.device_put(rng.standard_normal(16).astype(ml_dtypes.bfloat16))},
+        "opt": [np.arange(10, dtype=np.int64), (np.float32(0.5), None)],
+        "ids": {3: np.array([1, -2], np.int8).astype(ml_dtypes.int4)},
+        "rng": jax.random.key(42),
+        "meta": {"name": "golden", "epoch": 3, "flag": True, "raw": b"\x00\x01"},
+        "empty": {},
+    }
+
+
+def test_golden_v1_restores_bit_exactly():
+    m = cc.CheckpointManager(GOLDEN, read_only=True)
+    assert m.all_steps() == [7] and m.metrics(7) == {"val_loss": 0.25}
+    expected = golden_tree()
+    assert_tree_equal(m.restore(target=expected), expected)
+    plain = m.restore()
+    np.testing.assert_array_equal(plain["params"]["w"], np.asarray(expected["params"]["w"]))
+    assert plain["meta"] == expected["meta"] and plain["empty"] == {}
+
+
+def test_manifest_checksum_and_magic():
+    body = fmt.pack_manifest({"version": 1, "step": 1, "leaves": [], "tree": {"t": "dict", "n": "", "c": []}})
+    assert fmt.unpack_manifest(body)["step"] == 1
+    with pytest.raises(cc.CorruptCheckpointError):
+        fmt.unpack_manifest(body[:-3])
+    with pytest.raises(cc.CorruptCheckpointError, match="not a ckpt_callbacks manifest"):
+        fmt.unpack_manifest(msgpack.packb({"hello": 1}))
+    with pytest.raises(cc.CorruptCheckpointError):
+        fmt.unpack_manifest(b"\xff" * 100)
+
+
+@pytest.mark.parametrize("bad", [
+    {"z": "../../etc"}, {"z": "/abs/path"}, {"dt": "object"}, {"sh": [2**41, 2**41]}, {"sh": [-1]},
+    {"k": "pickle"}, {"p": [["x", "a"]]},
+])
+def test_hostile_manifest_fields_are_rejected(bad):
+    leaf = {"p": [["d", "a"]], "k": "array", "dt": "float32", "sh": [4], "z": "arrays/0", "ch": [4]}
+    leaf.update(bad)
+    m = {"version": 1, "step": 1, "leaves": [leaf], "tree": {"t": "dict", "n": "", "c": [[["d", "a"], {"l": 0}]]}}
+    with pytest.raises((cc.CorruptCheckpointError, cc.IncompatibleCheckpointError)):
+        fmt.unpack_manifest(fmt.pack_manifest(m))
+
+
+def test_step_names_sort():
+    names = [fmt.step_name(s) for s in (0, 9, 10, 123456789)]
+    assert names == sorted(names) and fmt.parse_step_name(names[-1]) == 123456789
+    assert fmt.parse_step_name("step_12") is None and fmt.parse_step_name("step_0000000001.tmp-abcdef01") is None
+
+
+def test_package_imports_without_orbax_or_pickle():
+    code = (
+        "import sys, importlib, pkgutil\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] == 'orbax':\n"
+        "            raise ImportError('blocked: ' + name)\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "for m in [k for k in sys.modules if k.split('.')[0] in ('orbax',)]: del sys.modules[m]\n"
+        "import ckpt_callbacks\n"
+        "for mod in pkgutil.iter_modules(ckpt_callbacks.__path__):\n"
+        "    if mod.name in ('bench',): continue\n"
+        "    importlib.import_module('ckpt_callbacks.' + mod.name)\n"
+        "assert not [k for k in sys.modules if k.startswith('orbax')]\n"
+        "print('ok')\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-2000:]
+    src = os.path.dirname(cc.__file__)
+    for name in os.listdir(src):
+        if name.endswith(".py"):
+            text = open(os.path.join(src, name)).read()
+            assert "import pickle" not in text and "cloudpickle" not in text and "import orbax" not in text.replace(
+                "# peer", "") or name == "bench.py", name

@@ -1,0 +1,229 @@
+"""Engine core: save/restore of every leaf kind, resharding, partial reads, checksums, errors."""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSharding
+
+import ckpt_callbacks as cc
+from ckpt_callbacks import restore as restore_mod
+from ckpt_callbacks.storage import open_store
+from helpers import DTYPES, Pair, State, assert_tree_equal, bytes_read, np_dtype, random_array
+
+
+def save(d, tree, step=1, **kw):
+    with cc.CheckpointManager(d, async_save=False, **kw) as m:
+        assert m.save(step, tree)
+    return d
+
+
+def mesh(shape):
+    return Mesh(np.array(jax.devices()).reshape(shape), ("a", "b"))
+
+
+def shardings():
+    return {
+        "4x2": NamedSharding(mesh((4, 2)), P("a", "b")),
+        "2x4": NamedSharding(mesh((2, 4)), P("a", "b")),
+        "8x1": NamedSharding(mesh((8, 1)), P("a", None)),
+        "partial": NamedSharding(mesh((4, 2)), P(None, "b")),   # replicated over a
+        "replicated": NamedSharding(mesh((4, 2)), P()),
+        "single": SingleDeviceSharding(jax.devices()[3]),
+    }
+
+
+def test_every_leaf_kind_roundtrips_without_target(ckdir):
+    tree = {
+        "np": np.arange(12, dtype=np.int32).reshape(3, 4),
+        "npscalar": np.float32(2.5),
+        "py": [1, 2.5, True, "s", b"b", None, -(2**63), 2**64 - 1],
+        "empty": {"d": {}, "l": [], "t": ()},
+        "nested": {"x": {"y": (np.ones(2),)}},
+        "big": np.arange(600_000, dtype=np.float32),     # stored as a zarr array, not packed
+    }
+    save(ckdir, tree)
+    out = cc.CheckpointManager(ckdir, read_only=True).restore()
+    assert_tree_equal(out, tree)
+    assert isinstance(out["npscalar"], np.float32)
+
+
+def test_int_keys_namedtuple_dataclass_with_target(ckdir):
+    tree = {"ints": {1: np.ones(3), 2: np.zeros(2)}, "nt": Pair(np.int8(3), [1.0]),
+            "dc": State({"w": jnp.ones((2, 2))}, 7), "key": jax.random.key(5),
+            "keys": jax.random.split(jax.random.key(1), 4)}
+    save(ckdir, tree)
+    m = cc.CheckpointManager(ckdir, read_only=True)
+    out = m.restore(target=tree)
+    assert_tree_equal(out, tree)
+    assert isinstance(out["nt"], Pair) and isinstance(out["dc"], State)
+    plain = m.restore()
+    assert set(plain["ints"]) == {1, 2} and plain["nt"]["first"] == 3 and plain["dc"]["step"] == 7
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_dtypes_roundtrip_as_numpy_and_jax(ckdir, dtype):
+    small = random_array((5, 3), dtype, 1)
+    big = random_array((1024, 1100), dtype, 2) if np_dtype(dtype).itemsize <= 2 else random_array((600, 512), dtype, 2)
+    sh = NamedSharding(mesh((4, 2)), P("a", None))
+    tree = {"small": small, "big": big, "jsmall": jax.device_put(small), "jbig": jax.device_put(big, sh)}
+    save(ckdir, tree)
+    m = cc.CheckpointManager(ckdir, read_only=True)
+    assert_tree_equal(m.restore(), {k: np.asarray(v) for k, v in tree.items()})
+    out = m.restore(target=tree)
+    assert_tree_equal(out, tree)
+    assert out["jbig"].sharding == sh
+
+
+@pytest.mark.parametrize("src", list(shardings()))
+def test_reshard_cross_product(tmp_path, src):
+    """5+ save shardings x 6 restore shardings, including an uneven shape."""
+    shapes = [(64, 48), (8, 8)]
+    if src in ("replicated", "single"):
+        shapes.append((13, 7))  # uneven: only where JAX allows it
+    data = {f"x{i}": random_array(s, "float32", i) for i, s in enumerate(shapes)}
+    data["big"] = random_array((512, 1024), "float32", 9)  # > pack limit: goes through zarr
+    tree = {k: jax.device_put(v, shardings()[src]) for k, v in data.items()}
+    d = str(tmp_path / src)
+    save(d, tree)
+    m = cc.CheckpointManager(d, read_only=True)
+    for name, dst in shardings().items():
+        # a leaf this sharding cannot hold is restored as host numpy (target leaf None)
+        target = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=dst) if _allowed(dst, v.shape) else None
+                  for k, v in data.items()}
+        out = m.restore(target=target)
+        for k, v in out.items():
+            assert (v.sharding == dst) if target[k] is not None else isinstance(v, np.ndarray), (src, name, k)
+            np.testing.assert_array_equal(np.asarray(v), data[k])
+    assert m.restore()["big"].shape == (512, 1024)
+
+
+def _allowed(sharding, shape):
+    try:
+        sharding.shard_shape(shape)
+        return True
+    except ValueError:
+        return False
+
+
+def test_uneven_shape_on_mesh_where_jax_allows(ckdir):
+    m2 = Mesh(np.array(jax.devices()).reshape(4, 2), ("a", "b"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    sh = NamedSharding(m2, P("a", "b"))
+    x = random_array((1023, 517), "float32", 3)
+    try:
+        a = jax.device_put(x, sh)
+    except ValueError:
+        pytest.skip("this JAX forbids uneven shardings")
+    save(ckdir, {"a": a})
+    out = cc.CheckpointManager(ckdir, read_only=True).restore(
+        target={"a": jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(m2, P("b", "a")))})
+    np.testing.assert_array_equal(np.asarray(out["a"]), x)
+
+
+def test_restoring_one_device_slice_reads_one_eighth(ckdir):
+    x = random_array((2048, 1024), "float32", 0)   # 8 MiB, 8 chunks of 1 MiB on the 8x1 mesh
+    sh = NamedSharding(mesh((8, 1)), P("a", None))
+    save(ckdir, {"x": jax.device_put(x, sh)})
+    store = open_store(ckdir)
+    reader = restore_mod.leaf_reader(store, 1, restore_mod.read_manifest(store, 1))
+    rec = reader.m["leaves"][0]
+    arr = reader.array(rec)
+    before = bytes_read()
+    part = reader.read_box(rec, ((256, 512), (0, 1024)), arr)
+    got = bytes_read() - before
+    np.testing.assert_array_equal(part, x[256:512])
+    assert x.nbytes / 8 <= got <= x.nbytes / 8 * 1.01, got
+    # and a whole restore onto a different mesh reads each byte about once
+    before = bytes_read()
+    cc.CheckpointManager(ckdir, read_only=True).restore(
+        target={"x": jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh((2, 4)), P("a", "b")))})
+    assert bytes_read() - before <= x.nbytes * 1.1
+
+
+def _chunk_files(d):
+    out = []
+    for dirpath, _, files in os.walk(d):
+        out += [os.path.join(dirpath, f) for f in files if "/arrays/" in dirpath and f != "zarr.json"]
+    return sorted(out)
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "delete"])
+def test_damaged_chunk_raises_corruption_naming_the_leaf(ckdir, damage):
+    x = random_array((512, 1024), "float32", 0)
+    save(ckdir, {"params": {"w": x}})
+    f = _chunk_files(ckdir)[0]
+    if damage == "flip":
+        with open(f, "r+b") as fh:
+            fh.seek(100)
+            b = fh.read(1)
+            fh.seek(100)
+            fh.write(bytes([b[0] ^ 0x10]))
+    elif damage == "truncate":
+        os.truncate(f, os.path.getsize(f) // 2)
+    else:
+        os.remove(f)
+    with pytest.raises(cc.CorruptCheckpointError, match=r"\['params'\]\['w'\]") as e:
+        cc.CheckpointManager(ckdir, read_only=True).restore()
+    assert e.value.key_path == "['params']['w']"
+
+
+def test_damaged_packed_leaf_and_manifest(ckdir):
+    save(ckdir, {"a": np.arange(100), "b": np.ones(3)})
+    blob = [os.path.join(dp, f) for dp, _, fs in os.walk(ckdir) for f in fs if "blobs" in dp][0]
+    data = bytearray(open(blob, "rb").read())
+    data[-5] ^= 0xFF
+    open(blob, "wb").write(bytes(data))
+    with pytest.raises(cc.CorruptCheckpointError, match=r"\['b'\]"):
+        cc.CheckpointManager(ckdir, read_only=True).restore()
+    man = os.path.join(ckdir, "step_0000000001", "manifest.msgpack")
+    open(man, "wb").write(open(man, "rb").read()[:-7])
+    with pytest.raises(cc.CorruptCheckpointError, match="manifest"):
+        cc.CheckpointManager(ckdir, read_only=True).restore()
+
+
+def test_mismatches_name_key_paths(ckdir):
+    save(ckdir, {"a": np.zeros((2, 3), np.float32), "b": {"c": np.zeros(4, np.int32)}, "d": 1})
+    m = cc.CheckpointManager(ckdir, read_only=True)
+    with pytest.raises(cc.IncompatibleCheckpointError) as e:
+        m.restore(target={"a": np.zeros((3, 3), np.float32), "b": {"c": np.zeros(4, np.float32)}, "d": 1})
+    msg = str(e.value)
+    assert "['a']: checkpoint has float32[2, 3], target expects float32[3, 3]" in msg
+    assert "['b']['c']: checkpoint has int32[4], target expects float32[4]" in msg
+    with pytest.raises(cc.IncompatibleCheckpointError) as e:
+        m.restore(target={"a": np.zeros((2, 3), np.float32), "b": {"x": np.zeros(4, np.int32)}, "d": 1})
+    assert "['b']['x']" in str(e.value) and "['b']['c']" in str(e.value)
+    assert isinstance(e.value, ValueError) and len(e.value.mismatches) == 2
+
+
+def test_missing_checkpoint_and_unknown_version(ckdir, tmp_path):
+    with pytest.raises(FileNotFoundError):
+        cc.CheckpointManager(str(tmp_path / "nothing"), read_only=True).restore()
+    with pytest.raises(cc.CheckpointNotFoundError):
+        cc.CheckpointManager(str(tmp_path / "nothing"), read_only=True).restore(step=3)
+    import msgpack
+    from ckpt_callbacks import format as fmt
+    save(ckdir, {"a": 1})
+    man = os.path.join(ckdir, "step_0000000001", "manifest.msgpack")
+    outer = msgpack.unpackb(open(man, "rb").read())
+    outer["version"] = 99
+    open(man, "wb").write(msgpack.packb(outer))
+    with pytest.raises(cc.IncompatibleCheckpointError, match="format version 99"):
+        cc.CheckpointManager(ckdir, read_only=True).restore()
+
+
+def test_unsupported_leaf_names_key_path(ckdir):
+    with pytest.raises(cc.InvalidTreeError, match=r"\['opt'\]\[1\]"):
+        save(ckdir, {"opt": [1, object()]})
+    with pytest.raises(cc.InvalidTreeError, match="only str and int keys"):
+        save(ckdir, {(1, 2): np.ones(2)})
+    assert cc.CheckpointManager(ckdir, read_only=True).all_steps() == []
+
+
+def test_many_small_leaves_go_into_few_files(ckdir):
+    tree = {f"l{i}": np.full((64,), i, np.float32) for i in range(2000)}
+    save(ckdir, tree)
+    files = [f for _, _, fs in os.walk(ckdir) for f in fs]
+    assert len(files) <= 3, files   # manifest + 1 blob (+ lock)
+    assert_tree_equal(cc.CheckpointManager(ckdir, read_only=True).restore(), tree)
