@@ -144,6 +144,14 @@ class CheckpointManager:
         items: queue.SimpleQueue = queue.SimpleQueue()
         save_time = self.clock()
         extra_info = {"time": save_time}
+        # For `ckpt-callbacks ls/timeline`: the ranking policy, and the previous save's commit/gc
+        # timings (a manifest is written before its own commit, so they land in the next one).
+        if (bp := best_policy(self.policies)) is not None:
+            extra_info["keep_best"] = {"metric": bp.metric, "mode": bp.mode, "n": bp.n}
+        if self.history:
+            prev = self.history[-1]
+            extra_info["prev"] = {"step": prev.step, "commit_s": prev.commit_s, "gc_s": prev.gc_s,
+                                  "deleted": list(prev.deleted)}
 
         def run():
             try:

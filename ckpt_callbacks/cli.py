@@ -1,0 +1,479 @@
+"""`ckpt-callbacks`: look at, verify, prune and picture checkpoint directories from a shell.
+
+Example::
+
+    ckpt-callbacks ls /tmp/run                      # steps, committed or partial, size, metrics, best
+    ckpt-callbacks inspect /tmp/run --step 200      # key paths, shapes, dtypes, shardings, bytes
+    ckpt-callbacks verify s3://bucket/run           # reads every leaf, checks every checksum
+    ckpt-callbacks gc /tmp/run --keep-last 3 --keep-best val_loss:min:2 --dry-run
+    ckpt-callbacks timeline /tmp/run -o timeline.html
+    ckpt-callbacks bench --help
+
+Who calls what: a person or a script, on any machine that can reach the directory (local path,
+``file://``, ``s3://``, ``gs://``; object stores take the usual environment, see docs/storage.md).
+`main(argv)` parses, then runs one subcommand in this process. It never uses an accelerator: it
+pins JAX to the CPU and reads through storage/format/restore.leaf_reader without creating device
+arrays. `gc` takes the directory's writer lock (local directories) so it never races a live
+trainer; every other subcommand only reads. Exit status: 0 ok, 1 damage found (`verify`) or an
+error, 2 bad usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+__all__ = ["main", "build_parser"]
+
+
+def _human(n) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return str(n)
+
+
+def _metric_text(metrics: dict) -> str:
+    return " ".join(f"{k}={v:.5g}" if isinstance(v, float) else f"{k}={v}" for k, v in sorted(metrics.items()))
+
+
+def _parse_best(text: str, with_n: bool):
+    parts = text.split(":")
+    if len(parts) not in ((2, 3) if with_n else (2,)) or not parts[0] or parts[1] not in ("min", "max"):
+        form = "METRIC:min|max[:N]" if with_n else "METRIC:min|max"
+        raise argparse.ArgumentTypeError(f"expected {form}, e.g. val_loss:min, got {text!r}")
+    n = 1
+    if len(parts) == 3:
+        if not parts[2].isdigit() or int(parts[2]) < 1:
+            raise argparse.ArgumentTypeError(f"N in {text!r} must be a positive int")
+        n = int(parts[2])
+    return {"metric": parts[0], "mode": parts[1], "n": n}
+
+
+def _steps_list(text: str) -> list[int]:
+    try:
+        return [int(s) for s in text.replace(",", " ").split()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected steps like 100,200, got {text!r}") from None
+
+
+# -- reading helpers -------------------------------------------------------------------------
+def _manifests(store, steps):
+    """{step: manifest or the CheckpointError that reading it raised}."""
+    from .errors import CheckpointError
+    from .restore import read_manifest
+    out = {}
+    for s in steps:
+        try:
+            out[s] = read_manifest(store, s)
+        except CheckpointError as e:
+            out[s] = e
+    return out
+
+
+def _pick_step(store, step):
+    from .errors import CheckpointNotFoundError
+    steps = store.committed_steps()
+    if not steps:
+        raise CheckpointNotFoundError(f"no committed checkpoint in {store.url}")
+    if step is None:
+        return steps[-1]
+    if step not in steps:
+        raise CheckpointNotFoundError(f"step {step} is not committed in {store.url}; committed: {steps}")
+    return step
+
+
+def _best(manifests: dict, best_arg):
+    """(policy dict, where it came from, best step or None)."""
+    from .retention import KeepBest, StepInfo
+    src = "--best"
+    spec = best_arg
+    if spec is None:
+        for m in reversed([m for m in manifests.values() if isinstance(m, dict)]):
+            kb = (m.get("extra") or {}).get("keep_best")
+            if isinstance(kb, dict) and kb.get("metric"):
+                spec, src = kb, "the run's KeepBest"
+                break
+    if spec is None:
+        return None, None, None
+    infos = [StepInfo(s, 0.0, m.get("metrics") or {}) for s, m in manifests.items() if isinstance(m, dict)]
+    ranked = KeepBest(spec["metric"], spec.get("mode", "min"), spec.get("n", 1) or 1).rank(infos)
+    return spec, src, (ranked[0] if ranked else None)
+
+
+# -- ls --------------------------------------------------------------------------------------
+def cmd_ls(args, store, out) -> int:
+    steps = store.committed_steps()
+    ms = _manifests(store, steps)
+    spec, src, best = _best(ms, args.best)
+    rows = []
+    for s in steps:
+        m = ms[s]
+        ok = isinstance(m, dict)
+        rows.append({"step": s, "status": "committed" if ok else "damaged",
+                     "time": (m.get("time") if ok else None), "bytes": (m.get("bytes") if ok else None),
+                     "size": store.size(s), "metrics": (m.get("metrics") or {}) if ok else {},
+                     "best": s == best, "error": None if ok else str(m)})
+    partial = [{"name": n, "status": "partial"} for n in store.leftovers()]
+    if args.json:
+        json.dump({"directory": store.url, "steps": rows, "partial": partial,
+                   "best": {"step": best, **spec, "source": src} if spec else None}, out, indent=1)
+        out.write("\n")
+        return 0
+    head = f"{store.url}: {len(steps)} committed, {len(partial)} partial"
+    if spec:
+        head += (f"; best by {spec['metric']} ({spec.get('mode', 'min')}, from {src}): "
+                 f"{best if best is not None else 'none reported the metric'}")
+    out.write(head + "\n")
+    out.write(f"{'STEP':>10}  {'STATUS':<10} {'SAVED':<19}  {'DATA':>9} {'ON DISK':>9}  METRICS\n")
+    for r in rows:
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["time"])) if r["time"] else "-"
+        tail = _metric_text(r["metrics"]) + ("  * best" if r["best"] else "")
+        if r["error"]:
+            tail = f"cannot read manifest: {r['error'][:200]}"
+        out.write(f"{r['step']:>10}  {r['status']:<10} {when:<19}  {_human(r['bytes']):>9} "
+                  f"{_human(r['size']):>9}  {tail}\n")
+    for p in partial:
+        out.write(f"{'':>10}  partial    {p['name']}  (staging of a save that is running or was interrupted; "
+                  f"removed when a manager starts, or by `gc --remove-partial`)\n")
+    return 0
+
+
+# -- inspect ---------------------------------------------------------------------------------
+def _sharding_text(sd) -> str:
+    if not isinstance(sd, dict):
+        return ""
+    if sd.get("type") == "NamedSharding":
+        mesh = ",".join(f"{k}={v}" for k, v in (sd.get("mesh") or {}).items())
+        spec = ", ".join("None" if p is None else (",".join(p) if isinstance(p, list) else str(p))
+                         for p in sd.get("spec") or [])
+        return f"NamedSharding(mesh[{mesh}], P({spec}))"
+    return str(sd.get("type", ""))
+
+
+def _leaf_text(rec) -> tuple[str, int]:
+    import numpy as np
+    from . import format as fmt
+    k = rec["k"]
+    if k == "none":
+        return "None", 0
+    if k == "py":
+        v = rec.get("v")
+        text = repr(v) if not isinstance(v, (bytes, str)) or len(v) <= 40 else repr(v[:40]) + "..."
+        return f"{type(v).__name__} = {text}", 0
+    nbytes = math.prod(rec["sh"]) * np.dtype(fmt.logical_dtype(rec["dt"])).itemsize
+    dt, shape = rec["dt"], rec["sh"]
+    if rec.get("prng"):   # stored as its key data: show the key array's own shape
+        dt, shape = f"key<{rec['prng']}>", shape[:len(shape) - len(rec.get("kshape") or [])]
+    where = f"zarr {rec['z']} chunks {rec['ch']}" if k == "array" else f"packed in {rec.get('b')}"
+    shard = _sharding_text(rec.get("sd"))
+    return f"{dt}{shape}  {_human(nbytes)}  {shard + '  ' if shard else ''}{where}", nbytes
+
+
+def cmd_inspect(args, store, out) -> int:
+    from . import treepath
+    from .restore import read_manifest
+    step = _pick_step(store, args.step)
+    m = read_manifest(store, step)
+    recs = m["leaves"]
+    if args.json:
+        leaves = [{"path": treepath.keystr(tuple(map(tuple, r["p"]))), "kind": r["k"], "dtype": r.get("dt"),
+                   "shape": r.get("sh"), "sharding": r.get("sd"), "bytes": _leaf_text(r)[1]} for r in recs]
+        json.dump({"step": step, "time": m.get("time"), "bytes": m.get("bytes"), "metrics": m.get("metrics"),
+                   "process_count": m.get("process_count"), "leaves": leaves}, out, indent=1)
+        out.write("\n")
+        return 0
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(m.get("time", 0)))
+    out.write(f"{store.url} step {step}: saved {when} by {m.get('process_count', 1)} process(es), "
+              f"{len(recs)} leaves, {_human(m.get('bytes', 0))}\n")
+    if m.get("metrics"):
+        out.write(f"metrics: {_metric_text(m['metrics'])}\n")
+    if m.get("host"):
+        out.write(f"host state: {', '.join(f'process {p}' for p in sorted(m['host']))}\n")
+
+    def walk(node, label, depth):
+        pad = "  " * depth
+        if "l" in node:
+            text, _ = _leaf_text(recs[node["l"]])
+            out.write(f"{pad}{label}: {text}\n")
+            return
+        kind = node["t"] + (f" {node['n']}" if node.get("n") else "")
+        out.write(f"{pad}{label} ({kind}, {len(node['c'])})\n" if label else f"{pad}<root> ({kind})\n")
+        for e, child in node["c"]:
+            walk(child, treepath.keystr((tuple(e),)), depth + 1)
+
+    walk(m["tree"], "", 0)
+    return 0
+
+
+# -- verify ----------------------------------------------------------------------------------
+class _Progress:
+    """A byte-counting progress bar on stderr (redrawn at most 10 times a second)."""
+
+    def __init__(self, total: int, stream, enabled: bool):
+        self.total, self.done, self.stream, self.enabled = max(total, 1), 0, stream, enabled
+        self.t0 = self.last = time.monotonic()
+
+    def add(self, n: int, label: str = "", force: bool = False) -> None:
+        self.done += n
+        now = time.monotonic()
+        if not self.enabled or (now - self.last < 0.1 and not force):
+            return
+        self.last = now
+        frac = min(1.0, self.done / self.total)
+        bar = "#" * int(frac * 30)
+        rate = self.done / max(now - self.t0, 1e-6)
+        self.stream.write(f"\rverify [{bar:<30}] {frac * 100:5.1f}% {_human(self.done)}/{_human(self.total)} "
+                          f"{_human(rate)}/s {label[:40]:<40}")
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            self.add(0, "done", force=True)
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+def _chunks(shape, chunks):
+    import itertools
+    grid = [range(-(-d // c)) for d, c in zip(shape, chunks)]
+    for idx in itertools.product(*grid):
+        yield idx, tuple(slice(i * c, min((i + 1) * c, d)) for i, c, d in zip(idx, chunks, shape))
+
+
+def verify_step(store, step: int, progress=None, window: int = 16) -> list[tuple[str, str]]:
+    """Read every leaf and host-state blob of `step`, checking every checksum.
+
+    Returns ``[(key path or file, problem)]``; empty when the step is intact.
+    """
+    import numpy as np
+    from . import format as fmt, treepath
+    from .errors import CheckpointError
+    from .restore import leaf_reader, read_host_state, read_manifest
+    try:
+        m = read_manifest(store, step)
+    except CheckpointError as e:
+        return [(fmt.MANIFEST, str(e))]
+    reader = leaf_reader(store, step, m)
+    damaged = []
+    for rec in m["leaves"]:
+        where = treepath.keystr(tuple(map(tuple, rec["p"])))
+        if rec["k"] not in ("array", "packed"):
+            continue
+        itemsize = np.dtype(fmt.logical_dtype(rec["dt"])).itemsize
+        try:
+            if rec["k"] == "packed":
+                reader.packed(rec)
+                if progress:
+                    progress.add(math.prod(rec["sh"]) * itemsize, where)
+                continue
+            arr = reader.array(rec)
+            pending = []
+            for idx, sl in _chunks(rec["sh"], rec["ch"]):
+                pending.append((idx, sl, arr[sl].read()))
+                if len(pending) >= window:
+                    _drain(pending.pop(0), rec, where, itemsize, progress)
+            while pending:
+                _drain(pending.pop(0), rec, where, itemsize, progress)
+        except CheckpointError as e:
+            damaged.append((where, str(e)))
+    for p in sorted((m.get("host") or {})):
+        try:
+            read_host_state(store, step, m, p)
+        except CheckpointError as e:
+            damaged.append((f"host state of process {p}", str(e)))
+    return damaged
+
+
+def _drain(item, rec, where, itemsize, progress):
+    from .errors import CorruptCheckpointError
+    idx, sl, fut = item
+    try:
+        fut.result()
+    except Exception as e:
+        raise CorruptCheckpointError(f"{where}: chunk {list(idx)} of {rec['z']} is damaged or missing: "
+                                     f"{str(e)[:200]}", where) from None
+    if progress:
+        progress.add(math.prod(s.stop - s.start for s in sl) * itemsize, where)
+
+
+def cmd_verify(args, store, out) -> int:
+    from .restore import read_manifest
+    from .errors import CheckpointError
+    steps = store.committed_steps() if args.all else [_pick_step(store, args.step)]
+    total = 0
+    for s in steps:
+        try:
+            total += int(read_manifest(store, s).get("bytes", 0))
+        except CheckpointError:
+            pass
+    progress = _Progress(total, sys.stderr, not args.quiet)
+    bad = {}
+    for s in steps:
+        d = verify_step(store, s, progress)
+        if d:
+            bad[s] = d
+    progress.close()
+    for s in steps:
+        if s in bad:
+            out.write(f"step {s}: DAMAGED, {len(bad[s])} leaf/leaves:\n")
+            for where, msg in bad[s]:
+                out.write(f"  {where}: {msg}\n")
+        else:
+            out.write(f"step {s}: ok\n")
+    if bad:
+        out.write(f"{len(bad)} of {len(steps)} step(s) damaged. Restoring them raises CorruptCheckpointError; "
+                  f"restore an older step, or delete the damaged ones once a good step exists.\n")
+    return 1 if bad else 0
+
+
+# -- gc --------------------------------------------------------------------------------------
+def cmd_gc(args, store, out) -> int:
+    from . import lock
+    from .retention import StepInfo, decide, retention_from_config
+    config = {"keep_last": args.keep_last, "keep_every": args.keep_every, "keep_best": args.keep_best,
+              "keep_steps": args.keep_steps, "keep_every_n_seconds": args.keep_every_n_seconds}
+    config = {k: v for k, v in config.items() if v is not None}
+    if not config:
+        out.write("gc: give at least one retention flag (--keep-last, --keep-every, --keep-best, --keep-steps, "
+                  "--keep-every-n-seconds); nothing deleted\n")
+        return 2
+    policies = retention_from_config(config, "gc")
+    locked = False
+    if store.local and not args.dry_run:
+        lock.acquire(store.root)   # CheckpointLockedError while a live trainer writes here
+        locked = True
+    try:
+        steps = store.committed_steps()
+        ms = _manifests(store, steps)
+        unreadable = [s for s in steps if not isinstance(ms[s], dict)]
+        infos = [StepInfo(s, float((m.get("extra") or {}).get("time", m.get("time", 0.0))), m.get("metrics") or {})
+                 for s, m in ms.items() if isinstance(m, dict)]
+        keep = decide(policies, infos) | set(unreadable)
+        delete = [s for s in steps if s not in keep]
+        partial = store.leftovers() if args.remove_partial else []
+        verb = "would delete" if args.dry_run else "deleting"
+        out.write(f"{store.url}: {len(steps)} committed; keeping {sorted(keep)}\n")
+        for s in unreadable:
+            out.write(f"  step {s}: manifest unreadable, kept (run `ckpt-callbacks verify`)\n")
+        for s in delete:
+            out.write(f"  {verb} step {s}\n")
+            if not args.dry_run:
+                store.delete(s)
+        for name in partial:
+            out.write(f"  {verb} partial {name}\n")
+            if not args.dry_run:
+                store.remove(name)
+        if not delete and not partial:
+            out.write("  nothing to delete\n")
+    finally:
+        if locked:
+            lock.release(store.root)
+    return 0
+
+
+# -- timeline --------------------------------------------------------------------------------
+def cmd_timeline(args, store, out) -> int:
+    from . import timeline
+    recs = timeline.records_from_manifests(store, last=args.last)
+    page = timeline.render_svg(recs) if args.svg else timeline.render_html(recs, source=f"{store.url}, {len(recs)} most recent committed saves")
+    if args.output == "-":
+        out.write(page)
+        return 0
+    with open(args.output, "w", encoding="utf-8") as f:
+        f.write(page)
+    out.write(f"wrote {args.output}: {len(recs)} saves\n")
+    return 0
+
+
+# -- bench (owned by ckpt_callbacks.bench) ---------------------------------------------------
+def cmd_bench(argv, out) -> int:
+    import importlib
+    try:
+        bench = importlib.import_module("ckpt_callbacks.bench")
+    except ModuleNotFoundError as e:
+        if e.name != "ckpt_callbacks.bench":
+            raise
+        sys.stderr.write("ckpt-callbacks bench: this installation has no benchmark module "
+                         "(ckpt_callbacks.bench is missing); install a version that ships it.\n")
+        return 2
+    return int(bench.main(list(argv)) or 0)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ckpt-callbacks", description="Inspect, verify, prune and picture "
+                                "ckpt_callbacks checkpoint directories (local paths, file://, s3://, gs://).")
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="{ls,inspect,verify,gc,timeline,bench}")
+    d = {"help": "checkpoint directory: path, file://, s3://bucket/prefix or gs://bucket/prefix"}
+    s = sub.add_parser("ls", help="list steps: committed or partial, size, metrics, best marked")
+    s.add_argument("directory", **d)
+    s.add_argument("--best", type=lambda t: _parse_best(t, False), metavar="METRIC:min|max",
+                   help="mark the best step by this metric (default: the KeepBest the run recorded)")
+    s.add_argument("--json", action="store_true", help="machine-readable output")
+    s = sub.add_parser("inspect", help="the tree of one step: key paths, shapes, dtypes, shardings, bytes")
+    s.add_argument("directory", **d)
+    s.add_argument("--step", type=int, help="step to inspect (default: latest committed)")
+    s.add_argument("--json", action="store_true", help="machine-readable output")
+    s = sub.add_parser("verify", help="read every leaf and check every checksum; exit 1 on damage")
+    s.add_argument("directory", **d)
+    g = s.add_mutually_exclusive_group()
+    g.add_argument("--step", type=int, help="step to verify (default: latest committed)")
+    g.add_argument("--all", action="store_true", help="verify every committed step")
+    s.add_argument("--quiet", action="store_true", help="no progress bar on stderr")
+    s = sub.add_parser("gc", help="delete committed steps a retention policy does not keep")
+    s.add_argument("directory", **d)
+    s.add_argument("--keep-last", type=int, metavar="N", help="keep the N newest steps")
+    s.add_argument("--keep-every", type=int, metavar="N", help="keep steps that are multiples of N")
+    s.add_argument("--keep-best", type=lambda t: _parse_best(t, True), metavar="METRIC:min|max:N",
+                   help="keep the N best steps by a metric saved with them")
+    s.add_argument("--keep-steps", type=_steps_list, metavar="S1,S2", help="keep these steps")
+    s.add_argument("--keep-every-n-seconds", type=float, metavar="S", help="keep the first step of each S-second window")
+    s.add_argument("--remove-partial", action="store_true", help="also remove leftovers of interrupted saves")
+    s.add_argument("--dry-run", action="store_true", help="print what would be deleted; change nothing")
+    s = sub.add_parser("timeline", help="render recent saves' phases (snapshot, write, commit, gc) as HTML/SVG")
+    s.add_argument("directory", **d)
+    s.add_argument("-o", "--output", default="ckpt-timeline.html", help="output file, '-' for stdout")
+    s.add_argument("--last", type=int, default=50, metavar="N", help="the N most recent committed saves")
+    s.add_argument("--svg", action="store_true", help="write only the SVG picture (for docs)")
+    sub.add_parser("bench", help="benchmarks (see `ckpt-callbacks bench --help`)", add_help=False)
+    return p
+
+
+def main(argv=None) -> int:
+    """Entry point of the `ckpt-callbacks` console script; returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    saved = os.environ.get("JAX_PLATFORMS")
+    os.environ["JAX_PLATFORMS"] = "cpu"   # never touch an accelerator from the CLI
+    try:
+        return _main(argv, sys.stdout)
+    finally:
+        if saved is None:
+            os.environ.pop("JAX_PLATFORMS", None)
+        else:
+            os.environ["JAX_PLATFORMS"] = saved
+
+
+def _main(argv, out) -> int:
+    if argv and argv[0] == "bench":
+        return cmd_bench(argv[1:], out)
+    args = build_parser().parse_args(argv)
+    from .errors import CheckpointError
+    from .storage import open_store
+    try:
+        store = open_store(args.directory)
+        return {"ls": cmd_ls, "inspect": cmd_inspect, "verify": cmd_verify, "gc": cmd_gc,
+                "timeline": cmd_timeline}[args.cmd](args, store, out)
+    except (CheckpointError, ValueError, OSError) as e:
+        sys.stderr.write(f"ckpt-callbacks {args.cmd}: {type(e).__name__}: {e}\n")
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

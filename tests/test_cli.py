@@ -1,0 +1,255 @@
+"""`ckpt-callbacks` subcommands on real checkpoints written by CheckpointManager."""
+
+import hashlib
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import ckpt_callbacks as cc
+from ckpt_callbacks import cli
+from ckpt_callbacks.storage import open_store
+
+STEPS = [10, 20, 30, 40]
+LOSS = {10: 0.9, 20: 0.2, 30: 0.5, 40: 0.7}   # best by min: 20; by max: 10 (of kept steps)
+
+
+def make_tree(step, devices):
+    mesh = Mesh(np.array(devices).reshape(4, 2), ("data", "model"))
+    w = jax.device_put(jnp.arange(512 * 1024, dtype=jnp.float32).reshape(512, 1024) + step,
+                       NamedSharding(mesh, P("data", "model")))
+    return {"params": {"w": w, "b": np.full(7, step, np.float32)}, "step": step,
+            "rng": jax.random.key(step), "note": None}
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory, devices):
+    d = str(tmp_path_factory.mktemp("cli") / "run")
+    with cc.CheckpointManager(d, retention=[cc.KeepLast(3), cc.KeepBest("val_loss", "min", 1)]) as m:
+        for s in STEPS:
+            m.save(s, make_tree(s, devices), metrics={"val_loss": LOSS[s]})
+        m.wait_until_finished()
+        assert m.all_steps() == [20, 30, 40]
+    return d
+
+
+def run(*argv):
+    out, err = io.StringIO(), io.StringIO()
+    old = sys.stderr
+    sys.stderr = err
+    try:
+        cli_out = sys.stdout
+        sys.stdout = out
+        try:
+            rc = cli.main(list(argv))
+        finally:
+            sys.stdout = cli_out
+    finally:
+        sys.stderr = old
+    return rc, out.getvalue(), err.getvalue()
+
+
+def tree_digest(d):
+    h = hashlib.sha256()
+    for root, dirs, files in sorted(os.walk(d)):
+        dirs.sort()
+        for f in sorted(files):
+            p = os.path.join(root, f)
+            h.update(os.path.relpath(p, d).encode())
+            with open(p, "rb") as fh:
+                h.update(fh.read())
+    return h.hexdigest()
+
+
+def test_ls_lists_steps_metrics_and_marks_the_recorded_best(ckpt):
+    rc, out, _ = run("ls", ckpt)
+    assert rc == 0
+    lines = {int(line.split()[0]): line for line in out.splitlines()[2:] if line.split() and line.split()[0].isdigit()}
+    assert sorted(lines) == [20, 30, 40]
+    assert "* best" in lines[20] and "* best" not in lines[30] + lines[40]
+    assert "val_loss=0.2" in lines[20] and "committed" in lines[30]
+    assert "best by val_loss (min, from the run's KeepBest): 20" in out
+
+
+def test_ls_best_flag_overrides_and_json(ckpt):
+    rc, out, _ = run("ls", ckpt, "--best", "val_loss:max", "--json")
+    assert rc == 0
+    data = json.loads(out)
+    assert [r["step"] for r in data["steps"]] == [20, 30, 40]
+    assert [r["step"] for r in data["steps"] if r["best"]] == [40]
+    assert data["best"] == {"step": 40, "metric": "val_loss", "mode": "max", "n": 1, "source": "--best"}
+    sizes = {r["step"]: r["size"] for r in data["steps"]}
+    assert all(sizes[s] > 512 * 1024 * 4 for s in sizes)   # on-disk size includes the array
+    assert data["partial"] == []
+
+
+def test_ls_shows_partial_leftover(ckpt, tmp_path):
+    d = str(tmp_path / "run")
+    shutil.copytree(ckpt, d)
+    # what a save killed before its commit leaves: a staging directory without a manifest
+    staging = os.path.join(d, "step_0000000050.tmp-0123456789ab")
+    shutil.copytree(os.path.join(d, "step_0000000040"), staging)
+    os.remove(os.path.join(staging, "manifest.msgpack"))
+    rc, out, _ = run("ls", d)
+    assert rc == 0 and "1 partial" in out and "step_0000000050.tmp-0123456789ab" in out
+    assert open_store(d).committed_steps() == [20, 30, 40]
+
+
+def test_inspect_shows_paths_shapes_dtypes_shardings_bytes(ckpt):
+    rc, out, _ = run("inspect", ckpt, "--step", "30")
+    assert rc == 0
+    assert "step 30" in out and "val_loss=0.5" in out
+    assert "['w']: float32[512, 1024]  2.1 MB  NamedSharding(mesh[data=4,model=2], P(data, model))" in out
+    assert "['b']: float32[7]  28 B" in out
+    assert "['rng']: key<threefry2x32>[]" in out
+    assert "['step']: int = 30" in out and "['note']: None" in out
+    rc, out, _ = run("inspect", ckpt, "--json")
+    data = json.loads(out)
+    assert data["step"] == 40
+    leaves = {leaf["path"]: leaf for leaf in data["leaves"]}
+    assert leaves["['params']['w']"]["bytes"] == 512 * 1024 * 4
+    assert leaves["['params']['w']"]["sharding"]["spec"] == ["data", "model"]
+
+
+def test_inspect_unknown_step_names_committed_steps(ckpt):
+    rc, _, err = run("inspect", ckpt, "--step", "10")
+    assert rc == 1 and "step 10 is not committed" in err and "[20, 30, 40]" in err
+
+
+def test_verify_intact_checkpoint_with_progress_bar(ckpt):
+    rc, out, err = run("verify", ckpt, "--all")
+    assert rc == 0
+    assert out.splitlines() == ["step 20: ok", "step 30: ok", "step 40: ok"]
+    assert "verify [" in err and "100.0%" in err
+
+
+def _chunk_files(step_dir):
+    arrays = os.path.join(step_dir, "arrays")
+    return sorted(os.path.join(r, f) for r, _, fs in os.walk(arrays) for f in fs if f != "zarr.json")
+
+
+def test_verify_catches_a_corrupted_chunk_and_a_damaged_blob(ckpt, tmp_path):
+    d = str(tmp_path / "run")
+    shutil.copytree(ckpt, d)
+    chunks = _chunk_files(os.path.join(d, "step_0000000030"))
+    assert len(chunks) == 8   # one chunk per shard of the 4x2 sharding
+    with open(chunks[3], "r+b") as f:   # flip one byte of array data
+        f.seek(100)
+        b = f.read(1)
+        f.seek(100)
+        f.write(bytes([b[0] ^ 0xFF]))
+    blob = os.path.join(d, "step_0000000040", "blobs", "p0-0.msgpack")
+    data = bytearray(open(blob, "rb").read())
+    data[-3] ^= 0xFF   # the last packed entry's bytes
+    open(blob, "wb").write(bytes(data))
+    rc, out, _ = run("verify", d, "--all", "--quiet")
+    assert rc == 1
+    assert "step 20: ok" in out
+    assert "step 30: DAMAGED, 1 leaf/leaves:" in out and "['params']['w']: " in out
+    assert "step 40: DAMAGED" in out
+    assert "2 of 3 step(s) damaged" in out
+    # the same damage is what a restore reports
+    with pytest.raises(cc.CorruptCheckpointError):
+        cc.CheckpointManager(d, read_only=True).restore(30)
+    rc, out, _ = run("verify", d, "--step", "20", "--quiet")
+    assert rc == 0 and out.strip() == "step 20: ok"
+
+
+def test_verify_catches_a_missing_chunk(ckpt, tmp_path):
+    d = str(tmp_path / "run")
+    shutil.copytree(ckpt, d)
+    os.remove(_chunk_files(os.path.join(d, "step_0000000040"))[0])
+    rc, out, _ = run("verify", d, "--quiet")
+    assert rc == 1 and "step 40: DAMAGED" in out and "['params']['w']" in out
+
+
+def test_gc_dry_run_changes_nothing_then_gc_deletes_exactly(ckpt, tmp_path):
+    d = str(tmp_path / "run")
+    shutil.copytree(ckpt, d)
+    before = tree_digest(d)
+    rc, out, _ = run("gc", d, "--keep-last", "1", "--keep-best", "val_loss:min:1", "--dry-run")
+    assert rc == 0
+    assert "would delete step 30" in out and "would delete step 20" not in out
+    assert tree_digest(d) == before
+    rc, out, _ = run("gc", d, "--keep-last", "1", "--keep-best", "val_loss:min:1")
+    assert rc == 0 and "deleting step 30" in out
+    assert open_store(d).committed_steps() == [20, 40]
+    assert not os.path.exists(os.path.join(d, ".ckpt_callbacks.lock"))   # released
+    rc, out, _ = run("gc", d, "--keep-steps", "20")   # never deletes the newest
+    assert open_store(d).committed_steps() == [20, 40]
+
+
+def test_gc_needs_a_policy_and_removes_partial_only_when_asked(ckpt, tmp_path):
+    d = str(tmp_path / "run")
+    shutil.copytree(ckpt, d)
+    rc, out, _ = run("gc", d)
+    assert rc == 2 and "at least one retention flag" in out
+    os.makedirs(os.path.join(d, "step_0000000050.tmp-0123456789ab"))
+    rc, out, _ = run("gc", d, "--keep-every", "10")
+    assert open_store(d).leftovers() == ["step_0000000050.tmp-0123456789ab"]
+    rc, out, _ = run("gc", d, "--keep-every", "10", "--remove-partial")
+    assert rc == 0 and open_store(d).leftovers() == [] and open_store(d).committed_steps() == [20, 30, 40]
+
+
+def test_gc_bad_flag_values_are_usage_errors(ckpt):
+    with pytest.raises(SystemExit) as e:
+        run("gc", ckpt, "--keep-best", "val_loss:median:2")
+    assert e.value.code == 2
+    rc, _, err = run("gc", ckpt, "--keep-last", "0")
+    assert rc == 1 and "keep_last must be a positive int" in err
+
+
+def test_timeline_writes_self_contained_html(ckpt, tmp_path):
+    out_path = str(tmp_path / "t.html")
+    rc, out, _ = run("timeline", ckpt, "-o", out_path)
+    assert rc == 0 and "3 saves" in out
+    page = open(out_path).read()
+    assert page.startswith("<!doctype html>") and "<svg" in page
+    assert "http://" not in page.replace("http://www.w3.org/2000/svg", "")   # nothing fetched
+    for s in (20, 30, 40):
+        assert f"step {s} snapshot" in page and f"step {s} write" in page
+    # commit and gc of 20 and 30 come from the next save's manifest; 40 is the newest
+    assert "step 30 commit" in page and "step 30 gc" in page and "step 40 commit" not in page
+
+
+@pytest.mark.parametrize("sub", ["ls", "inspect", "verify", "gc", "timeline"])
+def test_every_subcommand_has_help(sub, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main([sub, "--help"])
+    assert e.value.code == 0
+    assert f"usage: ckpt-callbacks {sub}" in capsys.readouterr().out
+
+
+def test_bench_is_dispatched_lazily():
+    try:
+        import ckpt_callbacks.bench  # noqa: F401
+    except ModuleNotFoundError:
+        rc, _, err = run("bench", "--help")
+        assert rc == 2 and "ckpt_callbacks.bench is missing" in err
+    else:
+        with pytest.raises(SystemExit) as e:
+            run("bench", "--help")
+        assert e.value.code == 0
+
+
+def test_console_script_refuses_gc_while_a_trainer_holds_the_directory(ckpt, tmp_path, devices):
+    """The installed entry point, in its own process, on a directory a live manager writes."""
+    d = str(tmp_path / "run")
+    shutil.copytree(ckpt, d)
+    exe = shutil.which("ckpt-callbacks", path=os.path.dirname(sys.executable))
+    cmd = [exe] if exe else [sys.executable, "-m", "ckpt_callbacks.cli"]
+    env = dict(os.environ, JAX_PLATFORMS="")   # the CLI pins itself to the CPU
+    with cc.CheckpointManager(d, retention=cc.KeepLast(3)):
+        p = subprocess.run(cmd + ["gc", d, "--keep-last", "1"], capture_output=True, text=True, env=env, timeout=120)
+        assert p.returncode == 1 and "CheckpointLockedError" in p.stderr and str(os.getpid()) in p.stderr
+        assert open_store(d).committed_steps() == [20, 30, 40]
+        p = subprocess.run(cmd + ["ls", d], capture_output=True, text=True, env=env, timeout=120)
+        assert p.returncode == 0 and "* best" in p.stdout
