@@ -1,0 +1,334 @@
+"""CheckpointHook: checkpointing for a hand-written Flax (NNX or Linen) training loop.
+
+Example (NNX; the Linen form is the same with a `TrainState` that `restore_or_init` returns anew)::
+
+    from ckpt_callbacks.flax import CheckpointHook
+    hook = CheckpointHook("/tmp/run", every_steps=100, retention=cc.KeepLast(3))
+    (model, optimizer), step = hook.restore_or_init((model, optimizer), data_iterator=it)
+    while step < num_steps:
+        loss = train_step(model, optimizer, next(it))        # nnx.jit, updates in place
+        step += 1
+        metrics = evaluate(model) if step % 500 == 0 else None
+        hook(step, (model, optimizer), metrics=metrics)      # True when a save started
+        if hook.should_stop:                                 # SIGTERM: saved and committed
+            break
+    hook.close()
+
+Who calls what, in which order, on which process: every process constructs the hook (on the main
+thread, so that it can watch SIGTERM), calls `restore_or_init` once before the loop, then
+`hook(step, state)` after every training step with the number of steps completed so far, with
+the same arguments on every process (SPMD), and finally `close`. Saves are asynchronous: `hook`
+blocks only for the snapshot (see `CheckpointManager.save`).
+
+What is saved: for NNX (a Module, an `nnx.Optimizer`, `nnx.Rngs`, or a tuple/list/dict of them)
+``nnx.state(state)`` -- every Variable, typed RNG keys and optimizer state included -- restored
+with ``nnx.update`` in place onto the shardings the live Variables have now (so a model saved on a
+4x2 mesh resumes on 2x4). Any other pytree (a Linen `TrainState`, a dict) is saved as is and
+restored onto its own leaves' shardings; `restore_or_init` then returns a new state. The data
+iterator's ``get_state()`` (Grain `DatasetIterator`, `DataLoader` iterators, any object with
+``get_state``/``set_state``) is saved per process as host state at the same step boundary, so a
+resumed run sees exactly the batches an uninterrupted run would.
+
+When it saves: at steps where ``step % every_steps == 0``, at `on_steps`, when `every_secs` passed
+since the last save, at every step called with eval `metrics` (``save_on_eval=True``; this is what
+lets `KeepBest` rank evaluations, and a step without metrics is never a best candidate), and on
+preemption. With none of the three schedules given, it saves every step (like the manager's
+default ``save_interval_steps=1``).
+
+Eval metrics: pass them as ``hook(step, state, metrics=...)``, or call ``report_eval(step,
+metrics)`` *before* ``hook(step, ...)`` for that step. Metrics are written in the step's manifest
+at save time; a report for a step already passed to the hook raises `ConfigError` (the state of
+that step is gone, and a committed manifest is never rewritten).
+
+Preemption: on SIGTERM (configurable) the handler only sets a flag; the next hook call saves that
+step (whatever the schedule), waits until it is committed, sets ``hook.should_stop`` and returns
+True; with ``on_preemption="raise"`` it then raises `Preempted` instead. The loop should exit.
+With several processes, every hook call first agrees (through the coordination service) whether
+any process was signalled or any `every_secs` timer expired, so all save the same step.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+import signal
+import sys
+import time
+
+from .errors import CheckpointError, ConfigError, IncompatibleCheckpointError
+from .manager import CheckpointManager
+from .preemption import Preempted, PreemptionWatcher
+
+__all__ = ["CheckpointHook", "Preempted"]
+
+log = logging.getLogger("ckpt_callbacks")
+
+_ITER_KEY = "data_iterator"
+
+
+# -- the train state as a pytree ------------------------------------------------------------------
+
+def _nnx():
+    """`flax.nnx` if the program imported it (NNX objects cannot exist otherwise), else None."""
+    return sys.modules.get("flax.nnx")
+
+
+def _is_nnx(state) -> bool:
+    nnx = _nnx()
+    if nnx is None:
+        return False
+    if nnx.graph.is_graph_node(state):
+        return True
+    if isinstance(state, (tuple, list)):
+        return any(_is_nnx(x) for x in state)
+    if isinstance(state, dict):
+        return any(_is_nnx(x) for x in state.values())
+    return False
+
+
+def state_tree(state):
+    """The pytree saved for `state`: ``nnx.state(state)`` for NNX objects, `state` itself otherwise."""
+    return _nnx().state(state) if _is_nnx(state) else state
+
+
+def put_back(state, restored):
+    """Apply a restored tree to `state`: ``nnx.update`` in place for NNX (returns `state`),
+    otherwise the restored tree is the new state."""
+    if _is_nnx(state):
+        _nnx().update(state, restored)
+        return state
+    return restored
+
+
+def _as_step(step) -> int:
+    try:
+        s = operator.index(step)
+    except TypeError:
+        raise ConfigError(f"step must be an int (the number of training steps done), got "
+                          f"{type(step).__name__} {step!r}") from None
+    if s < 0:
+        raise ConfigError(f"step must be >= 0, got {s}")
+    return int(s)
+
+
+def _positive_or_none(name, v, kind=int):
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float) if kind is float else int) or v <= 0:
+        raise ConfigError(f"{name} must be a positive {kind.__name__} or None, got {v!r}")
+    return v
+
+
+class CheckpointHook:
+    """Saves a training loop's state on a schedule; resumes it. See the module docstring.
+
+    Args:
+      directory_or_manager: a directory / ``s3://`` / ``gs://`` URL (the hook then owns a
+        `CheckpointManager` and closes it), or an existing manager (not closed by the hook).
+      every_steps, every_secs, on_steps: CLU-style schedule; any that fires saves the step.
+      retention: policy / list / config dict for the manager the hook creates (see
+        `CheckpointManager`); give it to your own manager instead when passing one.
+      data_iterator: object with ``get_state()``/``set_state()``; can also be given to
+        `restore_or_init`.
+      save_on_eval: save every step that comes with eval metrics (default True).
+      on_preemption: ``"flag"`` (set `should_stop`) or ``"raise"`` (raise `Preempted`).
+      preemption_signals: signals that mean "preempted" (default SIGTERM); ``()`` watches none.
+      async_save: passed to the manager the hook creates.
+      clock: seconds, monotonic; inject for tests of `every_secs`.
+    """
+
+    def __init__(self, directory_or_manager, *, every_steps: int | None = None, every_secs: float | None = None,
+                 on_steps=None, retention=None, data_iterator=None, save_on_eval: bool = True,
+                 on_preemption: str = "flag", preemption_signals=(signal.SIGTERM,), async_save: bool = True,
+                 clock=time.monotonic):
+        self.every_steps = _positive_or_none("every_steps", every_steps)
+        self.every_secs = _positive_or_none("every_secs", every_secs, float)
+        try:
+            self.on_steps = frozenset(_as_step(s) for s in (on_steps or ()))
+        except ConfigError as e:
+            raise ConfigError(f"on_steps: {e}") from None
+        if self.every_steps is None and self.every_secs is None and not self.on_steps:
+            self.every_steps = 1
+        if on_preemption not in ("flag", "raise"):
+            raise ConfigError(f"on_preemption must be 'flag' or 'raise', got {on_preemption!r}")
+        self.on_preemption = on_preemption
+        self.save_on_eval = bool(save_on_eval)
+        self.data_iterator = data_iterator
+        self.clock = clock
+        if isinstance(directory_or_manager, CheckpointManager):
+            if retention is not None:
+                raise ConfigError("retention= is for the manager the hook creates; you passed a "
+                                  "CheckpointManager: give retention to it instead")
+            self.manager, self._owns_manager = directory_or_manager, False
+        else:
+            self.manager = CheckpointManager(directory_or_manager, retention=retention, async_save=async_save)
+            self._owns_manager = True
+        self.coord = self.manager.coord
+        self.should_stop = False
+        self.last_saved_step: int | None = None
+        self._last_step: int | None = None       # the last step passed to the hook / restored
+        self._last_save_time = clock()
+        self._pending: dict[int, dict] = {}
+        self._calls = 0
+        self._closed = False
+        self._watcher = PreemptionWatcher(preemption_signals) if preemption_signals else None
+
+    # -- start ------------------------------------------------------------------------------------
+    def restore_or_init(self, state, data_iterator=None):
+        """Return ``(state, start_step)``: the latest committed checkpoint applied to `state`, or
+        ``(state, 0)`` when there is none.
+
+        `state` is the freshly initialised train state: its leaves give the shardings, shapes and
+        dtypes to restore onto (a different mesh than at save time is fine). NNX objects are
+        updated in place and returned; other pytrees come back as a new tree. The data iterator's
+        position is restored too (this process's own state). Call it once, before the loop, on
+        every process.
+        """
+        self._check_open()
+        if data_iterator is not None:
+            self.data_iterator = data_iterator
+        step = self.manager.latest_step()
+        if step is None:
+            self._last_step, self._last_save_time = 0, self.clock()
+            return state, 0
+        restored = self.manager.restore(step, target=state_tree(state))
+        if self.data_iterator is not None:
+            hs = self.manager.host_state(step)
+            if not isinstance(hs, dict) or _ITER_KEY not in hs:
+                raise IncompatibleCheckpointError(
+                    f"step {step} in {self.manager.store.url} holds no data-iterator state for process "
+                    f"{self.coord.process_index}, but a data_iterator was given. Fix: restore without "
+                    f"data_iterator= (the iterator then starts from its beginning), or resume from a "
+                    f"checkpoint saved with one on the same number of processes.",
+                    [(f"host_state[{self.coord.process_index}]['data_iterator']", "absent", "present")])
+            self.data_iterator.set_state(hs[_ITER_KEY])
+        state = put_back(state, restored)
+        self._last_step = self.last_saved_step = step
+        self._last_save_time = self.clock()
+        log.info("ckpt_callbacks: resumed from step %d of %s", step, self.manager.store.url)
+        return state, step
+
+    # -- every step -------------------------------------------------------------------------------
+    def report_eval(self, step, metrics: dict) -> None:
+        """Record eval `metrics` for `step`; the coming ``hook(step, ...)`` call saves them with it.
+
+        Must come before ``hook(step, state)`` for that step: after it, raises `ConfigError`.
+        """
+        self._check_open()
+        step = _as_step(step)
+        if not isinstance(metrics, dict):
+            raise ConfigError(f"report_eval: metrics must be a dict of str -> number, got {type(metrics).__name__}")
+        if self._last_step is not None and step <= self._last_step:
+            raise ConfigError(
+                f"report_eval(step={step}) arrived after hook({self._last_step}, ...): the state of step "
+                f"{step} was already handed over (and a committed manifest is never rewritten). Fix: call "
+                f"report_eval(step, metrics) before hook(step, state), or pass hook(step, state, metrics=...).")
+        self._pending.setdefault(step, {}).update(metrics)
+
+    def __call__(self, step, state, metrics: dict | None = None) -> bool:
+        """Call after every training step with the number of steps done; True when a save started.
+
+        On a preemption step the save is committed before this returns; then `should_stop` is
+        True (or `Preempted` is raised with ``on_preemption="raise"``).
+        """
+        self._check_open()
+        step = _as_step(step)
+        if metrics is not None and not isinstance(metrics, dict):
+            raise ConfigError(f"metrics must be a dict of str -> number, got {type(metrics).__name__}")
+        pending = self._pending.pop(step, None)
+        for s in [s for s in self._pending if s < step]:
+            log.warning("ckpt_callbacks: eval metrics reported for step %d were never saved: the hook was "
+                        "not called with step %d", s, s)
+            del self._pending[s]
+        if pending:
+            metrics = {**pending, **(metrics or {})}
+        self._last_step = step
+        preempted, timer = self._agree(step)
+        due = (timer or step in self.on_steps
+               or (self.every_steps is not None and step % self.every_steps == 0)
+               or (bool(metrics) and self.save_on_eval))
+        started = False
+        if (due or preempted) and step != self.last_saved_step:
+            started = self.save(step, state, metrics=metrics)
+        elif metrics and step == self.last_saved_step:
+            log.warning("ckpt_callbacks: step %d is already saved; its eval metrics are not recorded", step)
+        if preempted:
+            self._stop(step)
+        return started
+
+    def save(self, step, state, *, metrics: dict | None = None) -> bool:
+        """Save `step` now, whatever the schedule (e.g. the final step); True when a save started.
+
+        Returns False when `step` is already committed (a resumed run reaching a saved step).
+        """
+        self._check_open()
+        step = _as_step(step)
+        mngr = self.manager
+        force = False
+        if step % mngr.save_interval_steps:     # the hook decides when; never replace a committed step
+            if step in mngr.all_steps():
+                log.warning("ckpt_callbacks: step %d is already committed; not saving it again", step)
+                return False
+            force = True
+        host = None
+        if self.data_iterator is not None:
+            host = {_ITER_KEY: self.data_iterator.get_state()}
+        started = mngr.save(step, state_tree(state), metrics=metrics, force=force, host_state=host)
+        if started:
+            self.last_saved_step = step
+            self._last_save_time = self.clock()
+        return started
+
+    def _agree(self, step) -> tuple[bool, bool]:
+        """(preempted, every_secs timer fired), the same answer on every process."""
+        preempted = bool(self._watcher and self._watcher.requested)
+        timer = self.every_secs is not None and self.clock() - self._last_save_time >= self.every_secs
+        if self.coord.process_count > 1 and (self._watcher is not None or self.every_secs is not None):
+            self._calls += 1
+            mine = bytes([int(preempted), int(timer)])
+            got = self.coord.all_gather(f"hook/{self.manager.store.url}/{self._calls}", mine,
+                                        self.manager.timeout_s)
+            preempted = any(g[0] for g in got)
+            timer = any(g[1] for g in got)
+        return preempted, timer
+
+    def _stop(self, step) -> None:
+        self.manager.wait_until_finished()
+        saved = self.manager.latest_step()
+        self.should_stop = True
+        sig = signal.Signals(self._watcher.signum).name if self._watcher and self._watcher.signum else "a peer"
+        log.warning("ckpt_callbacks: preempted (%s): step %d is committed in %s; stop the loop",
+                    sig, saved if saved is not None else -1, self.manager.store.url)
+        if self.on_preemption == "raise":
+            raise Preempted(f"preempted ({sig}) at step {step}; checkpoint committed at step {saved} in "
+                            f"{self.manager.store.url}. Re-run the same command to resume.", step)
+
+    # -- end --------------------------------------------------------------------------------------
+    def wait_until_finished(self) -> None:
+        """Wait for the save in flight (and its retention); re-raise a background failure."""
+        self.manager.wait_until_finished()
+
+    def _check_open(self):
+        if self._closed:
+            raise CheckpointError("this CheckpointHook is closed")
+
+    def close(self) -> None:
+        """Wait for the save in flight, restore the previous signal handlers, close an owned manager."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self._owns_manager:
+                self.manager.close()
+            else:
+                self.manager.wait_until_finished()
+        finally:
+            if self._watcher is not None:
+                self._watcher.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False

@@ -1,0 +1,169 @@
+"""A small, complete Flax training run with a Grain iterator and a CheckpointHook (tests/test_flax.py).
+
+Run it again after it was killed, with the same command line: it resumes by itself.
+
+    python tests/flax_train_script.py --framework nnx|linen --dir CKPT --steps 24 --log LOG.jsonl
+
+Prints ``start S`` (the step it resumes from), ``step N`` after every hook call, then ``done N``
+or ``stopped N`` (preempted: the hook saved step N). Each step appends ``{"step", "batch"}`` (the
+record ids of the batch) to the --log file. When stdin is a pipe it reads one line after each
+step, so a test can stop it at an exact step; otherwise it runs freely.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import stat
+import sys
+
+import jax
+
+jax.config.update("jax_num_cpu_devices", 2)
+jax.config.update("jax_platforms", "cpu")
+
+import grain  # noqa: E402
+import grain.python as gp  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+import ckpt_callbacks as cc  # noqa: E402
+from ckpt_callbacks.flax import CheckpointHook  # noqa: E402
+
+N_RECORDS, BATCH, DIM = 40, 4, 6
+
+
+def features(i):
+    """Record `i` of the data set: (id, x, y), deterministic."""
+    r = np.random.default_rng(int(i))
+    x = r.standard_normal(DIM).astype(np.float32)
+    return {"id": np.int32(i), "x": x, "y": np.float32(x.sum() * 0.5 + 1.0)}
+
+
+def grain_dataset_iter():
+    ds = grain.MapDataset.range(N_RECORDS).shuffle(seed=7).repeat(None).map(features).batch(BATCH)
+    return iter(ds)
+
+
+class _Features(gp.MapTransform):
+    def map(self, i):
+        return features(i)
+
+
+def grain_loader_iter():
+    loader = gp.DataLoader(
+        data_source=gp.RangeDataSource(0, N_RECORDS, 1),
+        sampler=gp.IndexSampler(N_RECORDS, shard_options=gp.NoSharding(), shuffle=True, num_epochs=None, seed=3),
+        operations=[_Features(), gp.Batch(BATCH)], worker_count=0)
+    return iter(loader)
+
+
+def run_nnx(args, hook, it, lockstep):
+    from flax import nnx
+
+    class MLP(nnx.Module):
+        def __init__(self, rngs):
+            self.l1 = nnx.Linear(DIM, 16, rngs=rngs)
+            self.drop = nnx.Dropout(0.2, rngs=rngs)
+            self.l2 = nnx.Linear(16, 1, rngs=rngs)
+
+        def __call__(self, x):
+            return self.l2(self.drop(nnx.relu(self.l1(x))))[:, 0]
+
+    model = MLP(nnx.Rngs(params=0, dropout=1))
+    optimizer = nnx.Optimizer(model, optax.adamw(1e-2), wrt=nnx.Param)
+
+    @nnx.jit
+    def train_step(model, optimizer, x, y):
+        def loss_fn(model):
+            return jnp.mean((model(x) - y) ** 2)
+        loss, grads = nnx.value_and_grad(loss_fn)(model)
+        optimizer.update(model, grads)
+        return loss
+
+    (model, optimizer), step = hook.restore_or_init((model, optimizer), data_iterator=it)
+    return _loop(args, hook, it, lockstep, step, lambda b: train_step(model, optimizer, b["x"], b["y"]),
+                 lambda: (model, optimizer))
+
+
+def run_linen(args, hook, it, lockstep):
+    import flax.linen as nn
+    from flax.training import train_state
+
+    class MLP(nn.Module):
+        @nn.compact
+        def __call__(self, x, train):
+            h = nn.relu(nn.Dense(16)(x))
+            h = nn.Dropout(0.2, deterministic=not train)(h)
+            return nn.Dense(1)(h)[:, 0]
+
+    class State(train_state.TrainState):
+        key: jax.Array
+
+    m = MLP()
+    params = m.init(jax.random.key(0), jnp.zeros((1, DIM)), False)["params"]
+    state = State.create(apply_fn=m.apply, params=params, tx=optax.adamw(1e-2), key=jax.random.key(1))
+    state = state.replace(step=jnp.asarray(0, jnp.int32))
+
+    def train_step(state, x, y):
+        key = jax.random.fold_in(state.key, state.step)
+
+        def loss_fn(p):
+            return jnp.mean((state.apply_fn({"params": p}, x, True, rngs={"dropout": key}) - y) ** 2)
+        loss, grads = jax.value_and_grad(loss_fn)(state.params)
+        return state.apply_gradients(grads=grads), loss
+
+    train_step = jax.jit(train_step, donate_argnums=0)
+    state, step = hook.restore_or_init(state, data_iterator=it)
+    box = [state]
+
+    def one(b):
+        box[0], loss = train_step(box[0], b["x"], b["y"])
+        return loss
+    return _loop(args, hook, it, lockstep, step, one, lambda: box[0])
+
+
+def _loop(args, hook, it, lockstep, step, train_one, current):
+    print(f"start {step}", flush=True)
+    with open(args.log, "a") as log:
+        while step < args.steps:
+            batch = next(it)
+            train_one(batch)
+            step += 1
+            log.write(json.dumps({"step": step, "batch": [int(i) for i in batch["id"]]}) + "\n")
+            log.flush()
+            metrics = None
+            if args.eval_every and step % args.eval_every == 0:
+                metrics = {"val_loss": float((step * 37) % 11)}
+            hook(step, current(), metrics=metrics)
+            print(f"step {step}", flush=True)
+            if hook.should_stop:
+                hook.close()
+                print(f"stopped {step}", flush=True)
+                return
+            if lockstep:
+                sys.stdin.readline()
+    hook.save(step, current())
+    hook.close()
+    print(f"done {step}", flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--framework", choices=["nnx", "linen"], required=True)
+    ap.add_argument("--dir", required=True)
+    ap.add_argument("--steps", type=int, default=24)
+    ap.add_argument("--every", type=int, default=5)
+    ap.add_argument("--eval-every", type=int, default=0)
+    ap.add_argument("--log", required=True)
+    args = ap.parse_args()
+    lockstep = stat.S_ISFIFO(os.fstat(0).st_mode)
+    it = grain_dataset_iter() if args.framework == "nnx" else grain_loader_iter()
+    hook = CheckpointHook(args.dir, every_steps=args.every, retention=cc.KeepLast(2))
+    (run_nnx if args.framework == "nnx" else run_linen)(args, hook, it, lockstep)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,312 @@
+"""CheckpointHook with real Flax training: SIGKILL/SIGTERM on real processes, resharding, retention."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+import ckpt_callbacks as cc
+from ckpt_callbacks.flax import CheckpointHook, Preempted
+from helpers import assert_tree_equal
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SCRIPT = os.path.join(HERE, "flax_train_script.py")
+STEPS, EVERY, KILL_AT = 16, 5, 12
+
+
+def _cmd(framework, d, log):
+    return [sys.executable, SCRIPT, "--framework", framework, "--dir", d, "--steps", str(STEPS),
+            "--every", str(EVERY), "--log", log]
+
+
+def _run_free(cmd):
+    p = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+    return p.stdout.split("\n")
+
+
+def _run_lockstep(cmd, at_step, sig):
+    """Run `cmd` one step at a time; after it prints ``step at_step``, send `sig`; returns (proc, lines)."""
+    p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    try:
+        for line in p.stdout:
+            lines.append(line.rstrip("\n"))
+            if line.startswith("step "):
+                n = int(line.split()[1])
+                if n == at_step:
+                    p.send_signal(sig)
+                p.stdin.write("\n")    # let it take the next step (a dead process ignores it)
+                p.stdin.flush()
+    except BrokenPipeError:
+        pass
+    finally:
+        p.wait(timeout=300)
+        for f in (p.stdin, p.stdout):
+            try:
+                f.close()
+            except BrokenPipeError:
+                pass
+    return p, lines
+
+
+def _log(path):
+    with open(path) as f:
+        return [json.loads(x) for x in f]
+
+
+def _final(d):
+    with cc.CheckpointManager(d, read_only=True) as m:
+        assert m.latest_step() == STEPS
+        return m.restore(STEPS), m.host_state(STEPS)
+
+
+@pytest.mark.parametrize("framework", ["nnx", "linen"])
+def test_sigkill_midrun_then_rerun_resumes_exactly(tmp_path, framework):
+    """Killed with SIGKILL right after hook(12) (a save may be in flight), the same command resumes
+    from the latest committed step, and the final params, optimizer state, RNG, iterator position
+    and every batch equal an uninterrupted run's, bit for bit."""
+    ref_dir, ref_log = str(tmp_path / "ref"), str(tmp_path / "ref.jsonl")
+    _run_free(_cmd(framework, ref_dir, ref_log))
+
+    d, log = str(tmp_path / "run"), str(tmp_path / "run.jsonl")
+    cmd = _cmd(framework, d, log)
+    p, lines = _run_lockstep(cmd, KILL_AT, signal.SIGKILL)
+    assert p.returncode == -signal.SIGKILL and lines[-1] == f"step {KILL_AT}", lines
+    with cc.CheckpointManager(d, read_only=True) as m:
+        committed = m.latest_step()
+    assert committed in (5, 10)   # step 5 is surely committed (the save at 10 waited for it)
+
+    out = _run_free(cmd)          # the same command, unchanged
+    assert out[0] == f"start {committed}" and f"done {STEPS}" in out, out
+
+    got, ref = _log(log), _log(ref_log)
+    assert [r["step"] for r in got[:KILL_AT]] == list(range(1, KILL_AT + 1))
+    resumed = got[KILL_AT:]
+    assert [r["step"] for r in resumed] == list(range(committed + 1, STEPS + 1))
+    assert got[:committed] + resumed == ref            # the batches that made the final state
+    tree, host = _final(d)
+    ref_tree, ref_host = _final(ref_dir)
+    assert_tree_equal(tree, ref_tree)
+    assert host == ref_host
+    leaves = jax.tree_util.tree_leaves(tree)
+    assert len(leaves) >= 8 and sum(getattr(x, "size", 1) for x in leaves) > 300   # params + adam state
+
+
+def test_sigterm_saves_the_step_reached_and_exits_cleanly(tmp_path):
+    d, log = str(tmp_path / "run"), str(tmp_path / "run.jsonl")
+    p, lines = _run_lockstep(_cmd("nnx", d, log), 7, signal.SIGTERM)
+    assert p.returncode == 0, lines
+    assert "stopped 8" in lines and "step 9" not in lines, lines   # signalled after step 7: 8 saved
+    assert not any("Traceback" in x for x in lines), lines
+    with cc.CheckpointManager(d, read_only=True) as m:
+        assert m.all_steps() == [5, 8]
+        assert m.host_state(8) == {"data_iterator": {"next_index": 8}}
+
+
+# -- in-process: a sharded NNX model -----------------------------------------------------------------
+
+class Sharded(nnx.Module):
+    def __init__(self, rngs):
+        init = nnx.initializers.lecun_normal()
+        self.l1 = nnx.Linear(8, 16, kernel_init=nnx.with_partitioning(init, ("data", "model")),
+                             bias_init=nnx.with_partitioning(nnx.initializers.zeros_init(), ("model",)), rngs=rngs)
+        self.l2 = nnx.Linear(16, 8, kernel_init=nnx.with_partitioning(init, ("model", "data")), rngs=rngs)
+        self.drop = nnx.Dropout(0.1, rngs=rngs)
+
+    def __call__(self, x):
+        return self.l2(self.drop(nnx.relu(self.l1(x))))
+
+
+def _sharded(mesh_shape, seed):
+    mesh = jax.make_mesh(mesh_shape, ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    with jax.set_mesh(mesh):
+        model = Sharded(nnx.Rngs(params=seed, dropout=seed + 1))
+        opt = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+    return mesh, model, opt
+
+
+@nnx.jit
+def _nnx_step(model, opt, x):
+    loss, grads = nnx.value_and_grad(lambda m: jnp.mean(m(x) ** 2))(model)
+    opt.update(model, grads)
+    return loss
+
+
+def _host(tree):
+    """Host numpy copies (typed PRNG keys as their key data; Python scalars as they are)."""
+    def one(x):
+        if not isinstance(x, jax.Array):
+            return x
+        return np.asarray(jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x)
+    return jax.tree_util.tree_map(one, tree)
+
+
+def test_sharded_nnx_saved_on_4x2_resumes_on_2x4(ckdir, devices):
+    mesh, model, opt = _sharded((4, 2), seed=0)
+    x = jnp.arange(32, dtype=jnp.float32).reshape(4, 8) / 32
+    with jax.set_mesh(mesh):
+        hook = CheckpointHook(ckdir, every_steps=3)
+        (model, opt), start = hook.restore_or_init((model, opt))
+        assert start == 0
+        for step in range(1, 4):
+            _nnx_step(model, opt, x)
+            hook(step, (model, opt))
+        hook.close()
+    saved = _host(nnx.state((model, opt)))
+    assert model.l1.kernel[...].sharding.spec == P("data", "model")
+
+    mesh2, model2, opt2 = _sharded((2, 4), seed=5)
+    with jax.set_mesh(mesh2):
+        hook = CheckpointHook(ckdir, every_steps=3)
+        (model2, opt2), start = hook.restore_or_init((model2, opt2))
+        hook.close()
+    assert start == 3
+    assert_tree_equal(_host(nnx.state((model2, opt2))), saved)     # params, adam state, rng keys
+    k = model2.l1.kernel[...]
+    assert k.sharding.mesh.shape == {"data": 2, "model": 4} and k.sharding.spec == P("data", "model")
+    assert {s.data.shape for s in k.addressable_shards} == {(4, 4)}
+    mu = opt2.opt_state[0].mu["l2"]["kernel"][...]
+    assert mu.sharding.mesh.shape == {"data": 2, "model": 4} and {s.data.shape for s in mu.addressable_shards} == {(4, 4)}
+    assert jax.dtypes.issubdtype(model2.drop.rngs.key[...].dtype, jax.dtypes.prng_key)
+    with jax.set_mesh(mesh2):           # training continues on the new mesh
+        assert np.isfinite(float(_nnx_step(model2, opt2, x)))
+
+
+# -- in-process: schedule, eval retention, preemption ------------------------------------------------
+
+def _tree(step):
+    return {"w": np.full((3,), step, np.float32), "step": np.int32(step)}
+
+
+def test_eval_driven_best_retention_keeps_exactly_expected_steps(ckdir):
+    losses = {2: 0.5, 4: 0.2, 6: 0.9, 8: 0.3}
+    hook = CheckpointHook(ckdir, every_steps=3,
+                          retention=[cc.KeepLast(1), cc.KeepBest("val_loss", "min", n=2)])
+    saved = []
+    for step in range(1, 11):
+        if step in (4, 8):                       # reported ahead of the hook call
+            hook.report_eval(step, {"val_loss": losses[step]})
+            metrics = None
+        else:
+            metrics = {"val_loss": losses[step]} if step in losses else None
+        if hook(step, _tree(step), metrics=metrics):
+            saved.append(step)
+        if step == 6:
+            with pytest.raises(cc.ConfigError, match="before hook"):
+                hook.report_eval(6, {"val_loss": 0.0})
+    hook.close()
+    assert saved == [2, 3, 4, 6, 8, 9]          # every 3rd step plus every eval step
+    with cc.CheckpointManager(ckdir, read_only=True, retention=cc.KeepBest("val_loss", "min", n=2)) as m:
+        assert m.all_steps() == [4, 8, 9]        # the 2 best evals and the newest
+        assert m.best_step() == 4 and m.metrics(8) == {"val_loss": 0.3}
+
+    # a restarted run rebuilds the ranking from the manifests
+    hook = CheckpointHook(ckdir, every_steps=3, retention=[cc.KeepLast(1), cc.KeepBest("val_loss", "min", n=2)])
+    tree, start = hook.restore_or_init(_tree(0))
+    assert start == 9 and tree["step"] == 9
+    hook(10, _tree(10), metrics={"val_loss": 0.1})
+    hook(11, _tree(11))
+    hook(12, _tree(12), metrics={"val_loss": 0.25})
+    hook.close()
+    assert cc.CheckpointManager(ckdir, read_only=True).all_steps() == [4, 10, 12]
+
+
+def test_schedule_every_steps_on_steps_every_secs(ckdir):
+    now = [100.0]
+    hook = CheckpointHook(ckdir, every_steps=4, on_steps=[6], every_secs=30, clock=lambda: now[0],
+                          preemption_signals=())
+    saved = []
+    for step in range(1, 12):
+        now[0] += 7.0 if step != 10 else 40.0     # 30 s pass between the saves at 8 and 10
+        if hook(step, _tree(step)):
+            saved.append(step)
+    hook.close()
+    # 4 every_steps (t=128); 6 on_steps (t=142); 8 every_steps (t=156); 10 only by the timer (t=203)
+    assert saved == [4, 6, 8, 10]
+    assert cc.CheckpointManager(ckdir, read_only=True).all_steps() == [4, 6, 8, 10]
+
+
+def test_sigterm_in_process_saves_off_schedule_and_restores_handler(ckdir):
+    before = signal.getsignal(signal.SIGTERM)
+    hook = CheckpointHook(ckdir, every_steps=100, on_preemption="raise")
+    assert signal.getsignal(signal.SIGTERM) != before
+    assert hook(1, _tree(1)) is False
+    os.kill(os.getpid(), signal.SIGTERM)
+    with pytest.raises(Preempted) as e:
+        hook(2, _tree(2))
+    assert e.value.step == 2 and hook.should_stop
+    assert hook.manager.all_steps() == [2]       # committed before the exception
+    hook.close()
+    assert signal.getsignal(signal.SIGTERM) == before
+    assert_tree_equal(cc.CheckpointManager(ckdir, read_only=True).restore(2), _tree(2))
+
+
+class _Iter:
+    """A minimal get_state/set_state iterator (not Grain): any such object works."""
+
+    def __init__(self):
+        self.i = 0
+
+    def __next__(self):
+        self.i += 1
+        return self.i
+
+    def get_state(self):
+        return {"i": self.i}
+
+    def set_state(self, s):
+        self.i = s["i"]
+
+
+def test_data_iterator_from_constructor_and_missing_state_is_an_error(ckdir):
+    it = _Iter()
+    hook = CheckpointHook(ckdir, every_steps=2, data_iterator=it, preemption_signals=())
+    for step in range(1, 5):
+        next(it)
+        hook(step, _tree(step))
+    hook.close()
+    it2 = _Iter()
+    hook = CheckpointHook(ckdir, preemption_signals=())
+    tree, start = hook.restore_or_init(_tree(0), data_iterator=it2)
+    assert start == 4 and it2.i == 4 and next(it2) == 5
+    hook.close()
+
+    other = ckdir + "-noiter"
+    with cc.CheckpointManager(other) as m:
+        m.save(3, _tree(3))
+    hook = CheckpointHook(other, preemption_signals=())
+    with pytest.raises(cc.IncompatibleCheckpointError, match="data-iterator state"):
+        hook.restore_or_init(_tree(0), data_iterator=_Iter())
+    hook.close()
+
+
+def test_linen_trainstate_roundtrip_in_process(ckdir):
+    import flax.linen as nn
+    from flax.training import train_state
+
+    m = nn.Dense(4)
+    params = m.init(jax.random.key(0), jnp.ones((1, 3)))["params"]
+    tx = optax.sgd(0.1, momentum=0.9)
+    st = train_state.TrainState.create(apply_fn=m.apply, params=params, tx=tx)
+    grads = jax.tree_util.tree_map(jnp.ones_like, st.params)
+    st = st.apply_gradients(grads=grads)
+    with CheckpointHook(ckdir, every_steps=1, preemption_signals=()) as hook:
+        assert hook(1, st)
+    fresh = train_state.TrainState.create(apply_fn=m.apply, params=jax.tree_util.tree_map(jnp.zeros_like, params),
+                                          tx=tx)
+    with CheckpointHook(ckdir, every_steps=1, preemption_signals=()) as hook:
+        got, start = hook.restore_or_init(fresh)
+    assert start == 1 and isinstance(got, train_state.TrainState) and got.apply_fn == m.apply
+    assert_tree_equal(_host(got), _host(st))
