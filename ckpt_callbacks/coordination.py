@@ -3,30 +3,52 @@
 Example::
 
     from ckpt_callbacks.coordination import current
-    coord = current()             # SingleProcess() unless jax.distributed is initialized
+    coord = current().scoped("my-run")   # SingleProcess() unless jax.distributed is initialized
     coord.barrier("ready", timeout_s=60)
+    token = coord.broadcast("token", b"abc" if coord.process_index == 0 else None, timeout_s=60)
 
 Every process of a run calls the same methods with the same names in the same order (SPMD). A
-barrier or gather that does not complete within its timeout raises CheckpointSaveError naming the
-operation, so a dead peer never hangs the survivors. No device collective is used: these go through
-the `jax.distributed` key-value store, which has timeouts.
+name is used once per scope: a barrier or message name must be identical on every process and never
+reused (the key-value store keeps keys; a reused key would deliver a stale value). A barrier,
+gather or broadcast that does not complete within its timeout raises `CoordinationTimeoutError` (a
+`CheckpointSaveError`) naming the operation, so a dead peer never hangs the survivors. No device
+collective is used: these go through the `jax.distributed` key-value store and barriers, which have
+timeouts.
+
+Who calls what: `CheckpointManager` takes `current()` once, scopes it with `for_directory` (one
+scope per manager instance and directory, numbered in construction order on each process), and
+derives every name from that scope plus a per-save token. When the coordinator process (process 0,
+which hosts JAX's coordination service) dies, JAX itself terminates the other processes (its
+fail-fast policy); when another process dies, the survivors' waits time out and raise.
 """
 
 from __future__ import annotations
 
-import base64
+import hashlib
 import itertools
+import threading
 
 import jax
 
 from .errors import CheckpointSaveError
 
-__all__ = ["Coordinator", "SingleProcess", "JaxDistributed", "current"]
+__all__ = ["Coordinator", "SingleProcess", "JaxDistributed", "CoordinationTimeoutError", "current",
+           "for_directory"]
+
+
+class CoordinationTimeoutError(CheckpointSaveError):
+    """A cross-process wait did not complete in time: a peer died, is stuck, or diverged (SPMD)."""
 
 
 class Coordinator:
+    """The interface. ``process_index``/``process_count`` describe this run; names are per scope."""
+
     process_index: int = 0
     process_count: int = 1
+
+    def scoped(self, name: str) -> "Coordinator":
+        """A coordinator whose names live under `name` (same processes)."""
+        raise NotImplementedError
 
     def barrier(self, name: str, timeout_s: float) -> None:
         raise NotImplementedError
@@ -36,11 +58,14 @@ class Coordinator:
         raise NotImplementedError
 
     def broadcast(self, name: str, data: bytes | None, timeout_s: float) -> bytes:
-        """Process 0's bytes, delivered to every process."""
+        """Process 0's bytes, delivered to every process (others pass None)."""
         raise NotImplementedError
 
 
 class SingleProcess(Coordinator):
+    def scoped(self, name):
+        return self
+
     def barrier(self, name, timeout_s):
         pass
 
@@ -54,47 +79,56 @@ class SingleProcess(Coordinator):
 class JaxDistributed(Coordinator):
     """Coordination through the `jax.distributed` client (its key-value store and barriers)."""
 
-    _ids = itertools.count()
-
     def __init__(self, client, process_index: int, process_count: int, namespace: str = "ckpt_callbacks"):
         self.client, self.process_index, self.process_count = client, process_index, process_count
         self.namespace = namespace
 
+    def scoped(self, name):
+        return JaxDistributed(self.client, self.process_index, self.process_count, f"{self.namespace}/{name}")
+
     def _key(self, name: str) -> str:
         return f"{self.namespace}/{name}"
 
-    def _fail(self, what: str, timeout_s: float, e: Exception):
-        raise CheckpointSaveError(
-            f"process {self.process_index}: {what} did not complete within {timeout_s:.0f}s "
-            f"(a peer process died or is stuck): {str(e)[:300]}",
-            {self.process_index: f"timeout in {what}"}) from None
+    def _fail(self, what: str, timeout_s: float, e: Exception, peer: int | None = None):
+        who = {self.process_index: f"timeout in {what}"}
+        if peer is not None:
+            who[peer] = f"sent nothing within {timeout_s:g}s (died or stuck)"
+        raise CoordinationTimeoutError(
+            f"process {self.process_index}/{self.process_count}: {what} did not complete within "
+            f"{timeout_s:g}s: a peer process died, is stuck, or called a different sequence of "
+            f"checkpoint operations (every process must call save/restore alike). "
+            f"Coordination service said: {str(e).splitlines()[0][:300] if str(e) else type(e).__name__}",
+            who) from None
+
+    def _set(self, name: str, data: bytes, timeout_s: float) -> None:
+        try:
+            self.client.key_value_set_bytes(self._key(name), data)
+        except Exception as e:  # noqa: BLE001 - the service is gone or the key was reused
+            self._fail(f"publishing {name!r}", timeout_s, e)
+
+    def _get(self, name: str, what: str, timeout_s: float, peer: int) -> bytes:
+        try:
+            return self.client.blocking_key_value_get_bytes(self._key(name), max(1, int(timeout_s * 1000)))
+        except Exception as e:  # noqa: BLE001
+            self._fail(what, timeout_s, e, peer)
 
     def barrier(self, name, timeout_s):
         try:
-            self.client.wait_at_barrier(self._key(name), int(timeout_s * 1000))
-        except Exception as e:
+            self.client.wait_at_barrier(self._key(name), max(1, int(timeout_s * 1000)))
+        except Exception as e:  # noqa: BLE001
             self._fail(f"barrier {name!r}", timeout_s, e)
 
     def all_gather(self, name, data, timeout_s):
-        self.client.key_value_set(self._key(f"{name}/{self.process_index}"), base64.b64encode(data).decode())
-        out = []
-        for i in range(self.process_count):
-            try:
-                v = self.client.blocking_key_value_get(self._key(f"{name}/{i}"), int(timeout_s * 1000))
-            except Exception as e:
-                self._fail(f"gather {name!r} from process {i}", timeout_s, e)
-            out.append(base64.b64decode(v))
-        return out
+        self._set(f"{name}/{self.process_index}", data, timeout_s)
+        return [data if i == self.process_index else
+                self._get(f"{name}/{i}", f"gather {name!r} from process {i}", timeout_s, i)
+                for i in range(self.process_count)]
 
     def broadcast(self, name, data, timeout_s):
         if self.process_index == 0:
-            self.client.key_value_set(self._key(name), base64.b64encode(data).decode())
+            self._set(name, data, timeout_s)
             return data
-        try:
-            v = self.client.blocking_key_value_get(self._key(name), int(timeout_s * 1000))
-        except Exception as e:
-            self._fail(f"broadcast {name!r} from process 0", timeout_s, e)
-        return base64.b64decode(v)
+        return self._get(name, f"broadcast {name!r} from process 0", timeout_s, 0)
 
 
 def current() -> Coordinator:
@@ -105,3 +139,23 @@ def current() -> Coordinator:
     if client is None or jax.process_count() == 1:
         return SingleProcess()
     return JaxDistributed(client, jax.process_index(), jax.process_count())
+
+
+_instances: dict = {}
+_instances_lock = threading.Lock()
+
+
+def for_directory(coord: Coordinator, url: str) -> Coordinator:
+    """`coord` scoped to the n-th manager of `url` created by this process (n counts from 0).
+
+    Every process creates its managers for a directory in the same order, so the n-th one gets
+    the same scope everywhere, and a second manager of the same directory never meets the first
+    one's keys.
+    """
+    if coord.process_count == 1:
+        return coord
+    digest = hashlib.sha256(url.encode()).hexdigest()[:16]
+    with _instances_lock:
+        counter = _instances.setdefault(digest, itertools.count())
+        n = next(counter)
+    return coord.scoped(f"dir-{digest}/{n}")

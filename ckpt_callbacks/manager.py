@@ -34,7 +34,7 @@ import time
 import msgpack
 
 from . import coordination, lock, restore as restore_mod, snapshot
-from .errors import CheckpointError, CheckpointNotFoundError, ConfigError
+from .errors import CheckpointError, CheckpointNotFoundError, ConfigError, IncompatibleCheckpointError
 from .retention import StepInfo, as_policies, best_policy, decide
 from .storage import open_store
 from .writing import SaveStats, write_and_commit
@@ -89,6 +89,9 @@ class CheckpointManager:
         self.clock = clock
         self.read_only = read_only
         self.coord = coordinator or coordination.current()
+        if not read_only:  # one key-value scope per writing manager (same order on every process)
+            self.coord = coordination.for_directory(self.coord, self.store.url)
+        self._nsaves = self._nrestores = 0
         self.history: list[SaveStats] = []
         self._infos: dict[int, StepInfo] = {}
         self._thread: threading.Thread | None = None
@@ -100,16 +103,27 @@ class CheckpointManager:
 
     # -- start-up -----------------------------------------------------------------------------
     def _start_up(self) -> None:
+        """Process 0 checks, locks and cleans; the others wait for its outcome and share its failure."""
+        err = None
         if self.coord.process_index == 0:
-            self.store.check_writable()
-            if self.store.local:
-                lock.acquire(self.store.root)
-                self._locked = True
-            for name in self.store.leftovers():
-                log.info("ckpt_callbacks: removing leftover %s of an interrupted save or deletion", name)
-                self.store.remove(name)
+            try:
+                self.store.check_writable()
+                if self.store.local:
+                    lock.acquire(self.store.root)
+                    self._locked = True
+                for name in self.store.leftovers():
+                    log.info("ckpt_callbacks: removing leftover %s of an interrupted save or deletion", name)
+                    self.store.remove(name)
+            except Exception as e:  # noqa: BLE001 - told to the other processes, then re-raised
+                err = e
         if self.coord.process_count > 1:
-            self.coord.barrier(f"startup/{self.store.url}", self.timeout_s)
+            msg = None if self.coord.process_index else msgpack.packb(
+                None if err is None else f"{type(err).__name__}: {err}")
+            got = msgpack.unpackb(self.coord.broadcast("startup", msg, self.timeout_s))
+            if got is not None and err is None:
+                raise CheckpointError(f"process 0 could not open {self.store.url} for writing: {got}")
+        if err is not None:
+            raise err
 
     # -- saving -------------------------------------------------------------------------------
     def save(self, step: int, tree, *, metrics: dict | None = None, force: bool = False,
@@ -138,7 +152,8 @@ class CheckpointManager:
         snap = snapshot.plan(tree, coord=self.coord)
         token = os.urandom(6).hex().encode() if self.coord.process_index == 0 else None
         if self.coord.process_count > 1:
-            token = self.coord.broadcast(f"token/{step}/{len(self.history)}", token, self.timeout_s)
+            self._nsaves += 1
+            token = self.coord.broadcast(f"save/{self._nsaves}/token", token, self.timeout_s)
         token = token.decode()
         budget = snapshot.ByteBudget(self.max_staging_bytes)
         items: queue.SimpleQueue = queue.SimpleQueue()
@@ -159,7 +174,7 @@ class CheckpointManager:
                                          host_state=host_bytes, budget=budget, replace=force, token=token,
                                          timeout_s=self.timeout_s, extra=extra_info)
                 self._infos[step] = StepInfo(step, save_time, metrics)
-                stats = self._retain(stats)
+                stats = self._retain(stats, token)
                 self.history.append(stats)
                 log.info("ckpt_callbacks: committed step %d to %s: %.1f MB, blocking %.3fs, total %.3fs%s",
                          step, self.store.url, stats.bytes_total / 1e6, stats.blocking_s, stats.total_s,
@@ -181,16 +196,32 @@ class CheckpointManager:
             self._wait()
         return True
 
-    def _retain(self, stats: SaveStats) -> SaveStats:
-        if self.policies is None or self.coord.process_index != 0:
+    def _retain(self, stats: SaveStats, token: str = "") -> SaveStats:
+        """Process 0 decides and deletes; then it tells the others (who wait), so that every
+        process sees the same committed steps once its save has finished."""
+        if self.policies is None:
             return stats
         t0 = time.perf_counter()
-        infos = self._step_infos()
-        keep = decide(self.policies, infos)
-        deleted = sorted(i.step for i in infos if i.step not in keep)
+        deleted, err = [], None
+        if self.coord.process_index == 0:
+            try:
+                infos = self._step_infos()
+                keep = decide(self.policies, infos)
+                for s in sorted(i.step for i in infos if i.step not in keep):
+                    self.store.delete(s)
+                    deleted.append(s)
+            except Exception as e:  # noqa: BLE001 - told to the others, then re-raised
+                err = e
+        if self.coord.process_count > 1:
+            msg = msgpack.packb([deleted, None if err is None else f"{type(err).__name__}: {err}"])
+            deleted, remote = msgpack.unpackb(self.coord.broadcast(
+                f"retain/{token}", msg if self.coord.process_index == 0 else None, self.timeout_s))
+            if remote is not None and err is None:
+                err = CheckpointError(f"step {stats.step} was committed, but retention on process 0 failed: {remote}")
         for s in deleted:
-            self.store.delete(s)
             self._infos.pop(s, None)
+        if err is not None:
+            raise err
         return dataclasses.replace(stats, gc_s=time.perf_counter() - t0, deleted=tuple(deleted))
 
     def _step_infos(self) -> list[StepInfo]:
@@ -248,15 +279,51 @@ class CheckpointManager:
         return ranked[0] if ranked else None
 
     def restore(self, step: int | None = None, target=None):
-        """Restore `step` (latest committed when None) onto `target` (see `ckpt_callbacks.restore`)."""
+        """Restore `step` (latest committed when None) onto `target` (see `ckpt_callbacks.restore`).
+
+        With several processes and ``step=None``, process 0 picks the latest step and tells the
+        others, so every process restores the same step even while a save commits concurrently.
+        """
+        if step is None and self.coord.process_count > 1 and not self.read_only:
+            self._nrestores += 1
+            mine = msgpack.packb(self.latest_step()) if self.coord.process_index == 0 else None
+            step = msgpack.unpackb(self.coord.broadcast(f"restore/{self._nrestores}/latest", mine, self.timeout_s))
+            if step is None:
+                raise CheckpointNotFoundError(f"no committed checkpoint in {self.store.url}")
         step = self._resolve(step)
         return restore_mod.restore(self.store, step, target)
 
-    def host_state(self, step: int | None = None, process_index: int | None = None):
-        """This process's host state saved with `step` (None if none was saved)."""
+    def host_state(self, step: int | None = None, process_index: int | None = None, *, remap=None):
+        """This process's host state saved with `step` (None if none was saved).
+
+        Host state is saved per process index. When the checkpoint was written by a different
+        number of processes than this run has, this raises `IncompatibleCheckpointError` unless
+        you say which state this process takes: ``process_index=`` (read that saved process's
+        state), ``remap={this_process: saved_process, ...}``, or ``remap=fn`` called as
+        ``fn(saved: dict[int, state], process_index, process_count) -> state``.
+        """
         step = self._resolve(step)
         m = restore_mod.read_manifest(self.store, step)
-        pi = self.coord.process_index if process_index is None else process_index
+        pi, pc = self.coord.process_index, self.coord.process_count
+        if process_index is not None:
+            return restore_mod.read_host_state(self.store, step, m, process_index)
+        saved = sorted((m.get("host") or {}).keys())
+        if callable(remap):
+            return remap({p: restore_mod.read_host_state(self.store, step, m, p) for p in saved}, pi, pc)
+        if remap is not None:
+            if pi not in remap:
+                raise ConfigError(f"remap has no entry for process {pi} (it maps {sorted(remap)}); "
+                                  f"give every process of this run ({pc}) a saved process index {saved}")
+            return restore_mod.read_host_state(self.store, step, m, remap[pi])
+        saved_pc = int(m.get("process_count", 1))
+        if saved and saved_pc != pc:
+            raise IncompatibleCheckpointError(
+                f"step {step} in {self.store.url} holds host state (e.g. data-iterator positions) of "
+                f"{saved_pc} processes {saved}, but this run has {pc} processes, so process {pi} has "
+                f"no state of its own. Fix: pass remap={{this_process: saved_process}} or "
+                f"remap=fn(saved_states, process_index, process_count), or process_index=, to say "
+                f"which state each process resumes from (or restart the data pipeline).",
+                [(f"host_state[{pi}]", f"{saved_pc} processes", f"{pc} processes")])
         return restore_mod.read_host_state(self.store, step, m, pi)
 
     def _resolve(self, step):

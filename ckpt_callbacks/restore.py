@@ -16,6 +16,7 @@ first; then, per leaf, each process reads the bounding box of the target shards 
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -193,8 +194,7 @@ def _restore_leaf(reader: leaf_reader, rec: dict, t):
         return jax.device_put(value) if kind == "jax" and not rec.get("prng") else value
     sharding = t.sharding
     if rec.get("prng"):
-        keys = jax.random.wrap_key_data(reader.read_box(rec, full), impl=rec["prng"])
-        return jax.device_put(keys, sharding)
+        return _restore_keys(rec, reader.read_box(rec, full), sharding)
     shape = tuple(rec["sh"])
     dmap = sharding.addressable_devices_indices_map(shape)
     boxes = [layout.box_of(idx, shape) for idx in dmap.values()]
@@ -209,3 +209,16 @@ def _restore_leaf(reader: leaf_reader, rec: dict, t):
         return host[tuple(slice(lo - o, hi - o) for (lo, hi), (o, _) in zip(b, bbox))]
 
     return jax.make_array_from_callback(shape, sharding, cb)
+
+
+def _restore_keys(rec: dict, data: np.ndarray, sharding):
+    """Typed PRNG keys onto `sharding`. A sharding spanning other processes cannot take a host
+    value (`device_put`), so the key data is built as a global array and wrapped under jit."""
+    wrap = functools.partial(jax.random.wrap_key_data, impl=rec["prng"])
+    if sharding.is_fully_addressable or not isinstance(sharding, jax.sharding.NamedSharding):
+        return jax.device_put(wrap(data), sharding)
+    nk = len(rec.get("kshape", []))
+    spec = list(sharding.spec) + [None] * (data.ndim - nk - len(sharding.spec)) + [None] * nk
+    dsharding = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*spec))
+    garr = jax.make_array_from_callback(data.shape, dsharding, lambda idx: data[idx])
+    return jax.jit(wrap, out_shardings=sharding)(garr)

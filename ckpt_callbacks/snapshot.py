@@ -20,6 +20,7 @@ save then blocks until enough earlier shards are written).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import threading
 import time
@@ -38,6 +39,13 @@ __all__ = ["plan", "copy", "Snapshot", "ByteBudget", "PACK_MAX_BYTES", "CHUNK_MA
 PACK_MAX_BYTES = 1 << 20      # leaves up to this size are packed into msgpack blobs
 CHUNK_MAX_BYTES = 64 << 20    # zarr chunks are capped at this size
 BLOB_MAX_BYTES = 64 << 20     # a blob holds packed leaves up to this total
+SPLIT_MIN_BYTES = 1 << 20     # with several processes, replicated shards above this are split
+
+
+def _pieces(box, chunk) -> list:
+    """The chunk-aligned sub-boxes (one per chunk) of `box`, whose extents the chunk divides."""
+    ranges = [[(a + k, min(a + k + c, b)) for k in range(0, b - a, c)] for (a, b), c in zip(box, chunk)]
+    return [tuple(p) for p in itertools.product(*ranges)]
 
 
 class ByteBudget:
@@ -159,10 +167,9 @@ def plan(tree, *, budget: ByteBudget | None = None, coord: Coordinator | None = 
             whole_here = not is_jax or x.is_fully_addressable or x.is_fully_replicated
             if nbytes <= pack_max_bytes and whole_here:
                 rec["k"] = "packed"
-                if not is_jax or x.is_fully_replicated:
-                    holders = list(range(pc))
-                else:
-                    holders = [pi]
+                # every process holds a copy (numpy / replicated / process-local values, assumed
+                # equal on every process): the same answer on every process keeps `assign` identical
+                holders = list(range(pc))
                 pack_items.append((nbytes, holders))
                 pack_leaves.append(i)
             else:
@@ -175,11 +182,20 @@ def plan(tree, *, budget: ByteBudget | None = None, coord: Coordinator | None = 
                 else:
                     boxes = [(tuple((0, d) for d in x.shape), [None])]
                 shard = max((layout.box_shape(b) for b, _ in boxes), key=math.prod)
-                rec["ch"] = list(layout.chunk_shape(shard, itemsize, chunk_max_bytes))
-                for b, devs in boxes:
-                    procs = sorted({d.process_index for d in devs}) if is_jax else list(range(pc))
-                    box_items.append((math.prod(layout.box_shape(b)) * itemsize, procs))
-                    box_meta.append((i, b, devs))
+                global_ = is_jax and not x.is_fully_addressable
+                holders = [sorted({d.process_index for d in devs}) if global_ else list(range(pc))
+                           for _, devs in boxes]
+                # shards held by several processes are cut into chunk-aligned pieces, so that one
+                # large replicated array is spread over the processes too (disjoint chunks each)
+                shard_bytes = math.prod(shard) * itemsize
+                split = pc > 1 and shard_bytes > SPLIT_MIN_BYTES and all(len(h) > 1 for h in holders)
+                cap = min(chunk_max_bytes, max(SPLIT_MIN_BYTES // 4, shard_bytes // (4 * pc))) if split \
+                    else chunk_max_bytes
+                rec["ch"] = list(layout.chunk_shape(shard, itemsize, cap))
+                for (b, devs), procs in zip(boxes, holders):
+                    for piece in (_pieces(b, rec["ch"]) if split else [b]):
+                        box_items.append((math.prod(layout.box_shape(piece)) * itemsize, procs))
+                        box_meta.append((i, piece, devs))
 
     writers = layout.assign(box_items + pack_items, pc)
     for i, w in zip(pack_leaves, writers[len(box_items):]):
@@ -212,9 +228,13 @@ def copy(snap: Snapshot, emit, budget: ByteBudget | None = None) -> None:
         if isinstance(x, jax.Array):
             mine = next(d for d in devs if d.process_index == pi)
             shard = next(s for s in x.addressable_shards if s.device == mine)
-            data = jax.device_put(shard.data, shard.device, may_alias=False)
+            sbox = layout.box_of(shard.index, x.shape)
+            if sbox == b:
+                data = jax.device_put(shard.data, shard.device, may_alias=False)
+            else:  # a piece of a replicated shard: the slice is a new buffer, taken now
+                data = shard.data[tuple(slice(lo - o, hi - o) for (lo, hi), (o, _) in zip(b, sbox))]
         else:
-            data = np.array(x, copy=True)
+            data = np.array(x[tuple(slice(lo, hi) for lo, hi in b)], copy=True)
         emit(("array", ArrayWrite(i, b, data, nbytes)))
     snap._sources = snap._boxes = None
     snap.blocking_s = time.perf_counter() - snap.started

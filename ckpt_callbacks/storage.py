@@ -144,7 +144,10 @@ class LocalStore(Store):
                 continue
             for dirpath, _, files in os.walk(top):
                 for f in files:
-                    _fsync_path(os.path.join(dirpath, f))
+                    try:
+                        _fsync_path(os.path.join(dirpath, f))
+                    except FileNotFoundError:  # another process's temporary file, renamed meanwhile
+                        pass
                 _fsync_path(dirpath, directory=True)
 
     def publish(self, staging: str, step: int, replace: bool = False) -> None:

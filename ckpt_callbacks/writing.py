@@ -30,7 +30,7 @@ import numpy as np
 import tensorstore as ts
 
 from . import format as fmt
-from .coordination import Coordinator, SingleProcess
+from .coordination import CoordinationTimeoutError, Coordinator, SingleProcess
 from .errors import CheckpointSaveError
 from .snapshot import BLOB_MAX_BYTES, ByteBudget, Snapshot
 from .storage import Store
@@ -48,7 +48,8 @@ class SaveStats:
     write_s: float          # from the end of the snapshot to this process's bytes being durable
     commit_s: float         # barrier + manifest + rename/marker
     total_s: float          # save() call to durable commit
-    bytes_written: int      # by this process
+    bytes_written: int      # leaf bytes written by this process (payload, without framing, manifest
+                            # or host state): summed over processes it equals bytes_total
     bytes_total: int        # unique bytes of the tree (all processes)
     files: int              # files/objects written by this process
     process_index: int = 0
@@ -93,13 +94,12 @@ def write_and_commit(store: Store, step: int, snap: Snapshot, items, *, coord: C
     packed_info: dict = {}
     mine: list = []
     try:
-        arrays = _open_arrays(store, staging, snap, coord, timeout_s)
+        arrays = _open_arrays(store, staging, snap, coord, timeout_s, f"meta/{step}/{token}")
         written, files, packed_info, mine = _consume(store, staging, snap, items, arrays, budget)
         if host_state is not None:
             rel = f"host/p{pi}.msgpack"
             store.write(f"{staging}/{rel}", host_state)
             files += 1
-            written += len(host_state)
             mine.append(rel)
         store.sync([f"{staging}/{r}" for r in mine])
     except BaseException as e:  # noqa: BLE001 - reported to every process, then re-raised
@@ -110,10 +110,14 @@ def write_and_commit(store: Store, step: int, snap: Snapshot, items, *, coord: C
                             "packed": packed_info, "host": pi if host_state is not None else None},
                            use_bin_type=True)
     try:
+        if isinstance(error, CoordinationTimeoutError):
+            raise error  # a peer is gone: gathering would only wait out the timeout again
         statuses = [msgpack.unpackb(s, strict_map_key=False) for s in coord.all_gather(f"status/{step}/{token}", status, timeout_s)]
     except Exception as e:
-        _abort(store, staging)
-        raise CheckpointSaveError(f"save of step {step} failed: {e}", {pi: str(e)}) from (error or e)
+        if pi == 0:  # only process 0 commits or removes the (shared) staging data; leftovers go at start-up
+            _abort(store, staging)
+        raise CheckpointSaveError(f"save of step {step} failed and was not committed: {e}",
+                                  getattr(e, "failures", None) or {pi: str(e)}) from (error or e)
     failures = {p: s["err"] for p, s in enumerate(statuses) if not s["ok"]}
     outcome = b""
     if pi == 0:
@@ -159,13 +163,13 @@ def _drain(items, budget):
             budget.release(item[2].nbytes if item[0] == "packed" else item[1].nbytes)
 
 
-def _open_arrays(store, staging, snap, coord, timeout_s) -> dict:
+def _open_arrays(store, staging, snap, coord, timeout_s, barrier_name) -> dict:
     recs = snap.records
     if coord.process_index == 0:
         futs = {i: ts.open(zarr_spec(store, f"{staging}/{recs[i]['z']}", recs[i]), create=True, open=True)
                 for i in snap.array_leaves}
         arrays = {i: f.result() for i, f in futs.items()}
-    coord.barrier(f"meta/{snap.started}", timeout_s) if coord.process_count > 1 else None
+    coord.barrier(barrier_name, timeout_s) if coord.process_count > 1 else None
     if coord.process_index != 0:
         futs = {i: ts.open(zarr_spec(store, f"{staging}/{recs[i]['z']}", recs[i]), open=True, assume_metadata=True)
                 for i in snap.array_leaves}
@@ -194,7 +198,7 @@ def _consume(store, staging, snap, items, arrays, budget):
             packed_info[leaf] = [rel, j, crc]
         if budget:
             budget.release(blob_bytes)
-        written += len(data)
+        written += blob_bytes
         files += 1
         mine.add(rel)
         nblob += 1

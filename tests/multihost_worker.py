@@ -1,0 +1,256 @@
+"""Functions run inside `jax.distributed` processes by tests/test_multihost.py (via tests/multiproc.py).
+
+Example (from a test, in the pytest process)::
+
+    from multiproc import launch
+    res = launch("multihost_worker:save_and_check", 2, devices_per_process=4, args={"root": str(tmp)})
+
+Each function is called with the same JSON arguments on every process, runs SPMD, and returns a
+JSON value. Trees are built from deterministic global numpy values (`global_values`), so any
+process (or the pytest process) can check a restore bit-exactly without shipping data around.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import ckpt_callbacks as cc
+
+# name -> (shape, dtype, partition spec over mesh axes ("a", "b"))
+LAYOUT = {
+    "w": ((64, 48), "float32", P("a", "b")),
+    "emb": ((128, 32), "bfloat16", P("a", None)),         # replicated over b
+    "cols": ((32, 64), "int8", P(None, "b")),              # replicated over a
+    "rep_big": ((512, 640), "float32", P()),               # 1.3 MB replicated: a zarr array
+    "bias": ((48,), "float32", P()),                        # small replicated: packed
+    "u16": ((16, 8), "uint16", P("a", None)),              # small but sharded across processes
+}
+
+
+def global_values(seed: int = 0) -> dict:
+    import ml_dtypes
+
+    rng = np.random.default_rng(seed)
+    out = {}
+    for name, (shape, dt, _) in LAYOUT.items():
+        if dt == "bfloat16":
+            out[name] = rng.standard_normal(shape).astype(np.float32).astype(ml_dtypes.bfloat16)
+        elif dt.startswith(("int", "uint")):
+            out[name] = rng.integers(0, 100, shape).astype(dt)
+        else:
+            out[name] = rng.standard_normal(shape).astype(dt)
+    out["np"] = np.arange(10, dtype=np.int64) * (seed + 1)
+    return out
+
+
+def mesh(shape, devices=None) -> Mesh:
+    devs = np.array(devices if devices is not None else jax.devices())
+    return Mesh(devs[:int(np.prod(shape))].reshape(shape), ("a", "b"))
+
+
+def make_tree(values: dict, m: Mesh, seed: int = 0) -> dict:
+    tree = {}
+    for name, (shape, _, spec) in LAYOUT.items():
+        s = NamedSharding(m, spec)
+        v = values[name]
+        tree[name] = jax.make_array_from_callback(v.shape, s, lambda idx, v=v: v[idx])
+    tree["np"] = values["np"]
+    tree["step"] = 7 + seed
+    tree["key"] = jax.jit(lambda: jax.random.key(seed), out_shardings=NamedSharding(m, P()))()
+    return tree
+
+
+def abstract(m: Mesh, seed: int = 0) -> dict:
+    """A restore target on mesh `m`: ShapeDtypeStructs with shardings, plus host leaves."""
+    values = global_values(seed)
+    t = {name: jax.ShapeDtypeStruct(shape, values[name].dtype, sharding=NamedSharding(m, spec))
+         for name, (shape, _, spec) in LAYOUT.items()}
+    t["np"] = values["np"]
+    t["step"] = 0
+    t["key"] = jax.ShapeDtypeStruct((), jax.eval_shape(lambda: jax.random.key(0)).dtype,
+                                    sharding=NamedSharding(m, P()))
+    return t
+
+
+def check(restored: dict, seed: int = 0, sharding_of: dict | None = None) -> list[str]:
+    """Bit-exact comparison of what this process holds against the global values; [] when equal."""
+    values = global_values(seed)
+    bad = []
+    for name in LAYOUT:
+        x = restored[name]
+        if not isinstance(x, jax.Array):
+            if np.asarray(x).tobytes() != values[name].tobytes() or np.asarray(x).dtype != values[name].dtype:
+                bad.append(f"{name}: host value differs")
+            continue
+        if x.dtype != values[name].dtype or x.shape != values[name].shape:
+            bad.append(f"{name}: {x.dtype}{x.shape} vs {values[name].dtype}{values[name].shape}")
+            continue
+        if sharding_of is not None and x.sharding != sharding_of[name]:
+            bad.append(f"{name}: sharding {x.sharding} != {sharding_of[name]}")
+        for sh in x.addressable_shards:
+            if np.asarray(sh.data).tobytes() != values[name][sh.index].tobytes():
+                bad.append(f"{name}: shard {sh.index} on {sh.device} differs")
+    if np.asarray(restored["np"]).tobytes() != values["np"].tobytes():
+        bad.append("np differs")
+    if restored["step"] != 7 + seed:
+        bad.append(f"step {restored['step']} != {7 + seed}")
+    kd = np.asarray(jax.random.key_data(restored["key"]).addressable_shards[0].data)
+    if kd.tobytes() != np.asarray(jax.random.key_data(jax.random.key(seed))).tobytes():
+        bad.append("key differs")
+    return bad
+
+
+def replicated_tree(m: Mesh) -> dict:
+    """A mostly replicated tree (data parallelism): many replicated leaves of mixed sizes."""
+    rng = np.random.default_rng(1)
+    rep = NamedSharding(m, P())
+    tree = {}
+    for i, n in enumerate([300_000, 260_000, 250_000, 200_000, 180_000, 150_000, 120_000, 100_000,
+                           90_000, 80_000, 60_000, 50_000, 40_000, 30_000, 20_000, 10_000, 5_000, 1_000]):
+        v = rng.standard_normal(n).astype(np.float32)
+        tree[f"p{i:02d}"] = jax.make_array_from_callback(v.shape, rep, lambda idx, v=v: v[idx])
+    return tree
+
+
+def _stats(mngr) -> dict:
+    s = mngr.last_stats
+    return {"bytes_written": s.bytes_written, "bytes_total": s.bytes_total, "process_index": s.process_index,
+            "files": s.files}
+
+
+def probe(fail_on: int = -1) -> dict:
+    """What a child sees; process `fail_on` raises instead (tests the launcher itself)."""
+    if jax.process_index() == fail_on:
+        raise ValueError(f"failing on purpose in process {fail_on}")
+    return {"pi": jax.process_index(), "pc": jax.process_count(), "devices": len(jax.devices()),
+            "local": len(jax.local_devices()), "collectives": jax.config.jax_cpu_collectives_implementation}
+
+
+def save_and_check(root: str, one_process_dir: str | None = None, mesh_shape=(2, 4), other_mesh=(4, 2),
+                   locked_dir: str | None = None) -> dict:
+    """Save the test tree and a replicated tree from this run; restore them back onto another mesh.
+
+    Also restores `one_process_dir` (saved by a 1-process run) onto this run's mesh, exercises
+    retention decided on process 0 with every process told, and (with `locked_dir`, whose lock a
+    live process holds) a start-up failure on process 0 that every process must report.
+    """
+    pi, pc = jax.process_index(), jax.process_count()
+    out: dict = {"process_index": pi}
+    if locked_dir:
+        try:
+            cc.CheckpointManager(locked_dir, timeout_s=60)
+            out["locked"] = None
+        except cc.CheckpointError as e:
+            out["locked"] = [type(e).__name__, str(e)]
+    m = mesh(mesh_shape)
+    if one_process_dir:
+        with cc.CheckpointManager(one_process_dir, read_only=True) as r:
+            out["from_one_process"] = check(r.restore(target=abstract(m, seed=3)), seed=3)
+
+    tree = make_tree(global_values(), m)
+    with cc.CheckpointManager(os.path.join(root, "tree"), timeout_s=60) as mngr:
+        assert mngr.save(10, tree, metrics={"loss": 0.5}, host_state={"pos": 100 + pi, "proc": pi})
+        mngr.wait_until_finished()
+        out["tree_stats"] = _stats(mngr)
+        out["steps"] = mngr.all_steps()
+        for name, shape in (("same", mesh_shape), ("other", other_mesh)):
+            target = abstract(mesh(shape))
+            restored = mngr.restore(target=target)   # step None: process 0's latest, told to all
+            out[f"restore_{name}"] = check(restored, sharding_of={k: target[k].sharding for k in LAYOUT})
+        out["host_state"] = mngr.host_state()
+        out["host_numpy"] = check(mngr.restore(10))   # target None: full host numpy on every process
+
+    with cc.CheckpointManager(os.path.join(root, "replicated"), timeout_s=60) as mngr:
+        mngr.save(1, replicated_tree(m))
+        mngr.wait_until_finished()
+        out["replicated_stats"] = _stats(mngr)
+
+    with cc.CheckpointManager(os.path.join(root, "retained"), retention=cc.KeepLast(2), timeout_s=60) as mngr:
+        for step in range(1, 5):
+            mngr.save(step, {"x": np.full(4, step, np.int32), "w": tree["w"]})
+        mngr.wait_until_finished()
+        out["retained_steps"] = mngr.all_steps()
+        out["retained_deleted"] = [list(s.deleted) for s in mngr.history]
+        out["retained_x"] = mngr.restore(target={"x": np.zeros(4, np.int32), "w": abstract(m)["w"]})["x"].tolist()
+    return out
+
+
+def restore_and_save(saved_dir: str, root: str, mesh_shape=(4, 2)) -> dict:
+    """Restore a checkpoint written by another process count onto this run's mesh; host-state rules;
+    then save this run's own tree and replicated tree."""
+    pi = jax.process_index()
+    m = mesh(mesh_shape)
+    out: dict = {"process_index": pi}
+    with cc.CheckpointManager(saved_dir, read_only=True) as r:
+        target = abstract(m)
+        out["restore"] = check(r.restore(target=target), sharding_of={k: target[k].sharding for k in LAYOUT})
+        try:
+            r.host_state()
+            out["host_state_error"] = None
+        except cc.IncompatibleCheckpointError as e:
+            out["host_state_error"] = str(e)
+        out["host_state_remapped"] = r.host_state(remap={p: p % 2 for p in range(jax.process_count())})
+        out["host_state_fn"] = r.host_state(remap=lambda saved, i, n: {"pos": sum(s["pos"] for s in saved.values()), "i": i, "n": n})
+    with cc.CheckpointManager(os.path.join(root, "tree"), timeout_s=60) as mngr:
+        mngr.save(20, make_tree(global_values(), m), host_state={"pos": 200 + pi})
+        mngr.wait_until_finished()
+        out["tree_stats"] = _stats(mngr)
+    with cc.CheckpointManager(os.path.join(root, "replicated"), timeout_s=60) as mngr:
+        mngr.save(1, replicated_tree(m))
+        mngr.wait_until_finished()
+        out["replicated_stats"] = _stats(mngr)
+    return out
+
+
+def die_mid_save(root: str, victim: int, timeout_s: float, phase: str = "sync") -> dict:
+    """Commit step 1, then save step 2 while process `victim` dies mid-save (``os._exit(17)``).
+
+    phase "sync": the victim dies after writing its shards, before making them durable/reporting;
+    phase "start": it dies right after the snapshot, before the writer's first barrier.
+    """
+    pi = jax.process_index()
+    m = mesh((2, 4))
+    mngr = cc.CheckpointManager(root, timeout_s=timeout_s, async_save=True)
+    mngr.save(1, make_tree(global_values(1), m, seed=1), host_state={"pos": 1})
+    mngr.wait_until_finished()
+    if pi == victim:
+        def die(*a, **k):
+            os._exit(17)
+        if phase == "sync":
+            mngr.store.sync = die
+        else:
+            mngr.store.begin = die
+    t0 = time.monotonic()
+    out: dict = {"process_index": pi}
+    try:
+        mngr.save(2, make_tree(global_values(2), m, seed=2), host_state={"pos": 2})
+        mngr.wait_until_finished()
+        out["error_type"] = None
+    except cc.CheckpointSaveError as e:
+        out.update(error_type=type(e).__name__, error=str(e), failures={str(k): v for k, v in e.failures.items()})
+    out["elapsed_s"] = time.monotonic() - t0
+    out["steps"] = mngr.all_steps()
+    out["latest"] = mngr.latest_step()
+    out["leftovers"] = mngr.store.leftovers()
+    # leave without close(): a real survivor would exit; the lock is taken over as stale on restart
+    return out
+
+
+def resume(root: str) -> dict:
+    """Restart after a failed save: clean up, resume from the latest committed step, save the next."""
+    pi = jax.process_index()
+    m = mesh((2, 4))
+    with cc.CheckpointManager(root, timeout_s=60) as mngr:
+        out = {"process_index": pi, "latest": mngr.latest_step(), "leftovers": mngr.store.leftovers()}
+        out["restore"] = check(mngr.restore(target=abstract(m, seed=1)), seed=1)
+        out["host_state"] = mngr.host_state()
+        mngr.save(2, make_tree(global_values(2), m, seed=2))
+        mngr.wait_until_finished()
+        out["steps"] = mngr.all_steps()
+        out["restore2"] = check(mngr.restore(2, target=abstract(m, seed=2)), seed=2)
+    return out

@@ -1,0 +1,212 @@
+"""Multi-host for real: 2 and 4 `jax.distributed` processes on 127.0.0.1 (gloo CPU collectives).
+
+Each launch costs a few seconds, so a launch runs several checks (tests/multihost_worker.py) and
+module fixtures share them: one 2-process run (save, restore on two meshes, host state, retention,
+start-up failure), one 4-process run (restore the 2-process checkpoint on 4x2, host-state remap,
+save), and the pytest process itself (8 devices) restores them on 1x8 and 1x2. A process killed
+mid-save, and the restart after it, are their own launches.
+"""
+
+import json
+import os
+import socket
+
+import jax
+import pytest
+
+import ckpt_callbacks as cc
+import multihost_worker as W
+from ckpt_callbacks import coordination
+from ckpt_callbacks.restore import read_manifest
+from ckpt_callbacks.storage import open_store
+from multiproc import launch
+
+
+def _ok(results):
+    results.raise_if_failed()
+    return [r.result for r in results]
+
+
+@pytest.fixture(scope="module")
+def two(tmp_path_factory):
+    """The 2 x 4 run. Before it, this (1-process) pytest process saves a checkpoint for it to restore."""
+    root = tmp_path_factory.mktemp("two")
+    one = str(root / "one_process")
+    with cc.CheckpointManager(one, async_save=False) as m:
+        m.save(3, W.make_tree(W.global_values(3), W.mesh((2, 4)), seed=3))
+    locked = root / "locked"
+    locked.mkdir()
+    (locked / ".ckpt_callbacks.lock").write_text(json.dumps(
+        {"host": socket.gethostname(), "pid": os.getpid(), "time": 0}))   # held by this live process
+    res = _ok(launch("multihost_worker:save_and_check", 2, devices_per_process=4, timeout_s=240,
+                     args={"root": str(root), "one_process_dir": one, "locked_dir": str(locked)}))
+    return root, res
+
+
+@pytest.fixture(scope="module")
+def four(two):
+    """The 4 x 2 run: restores the 2-process checkpoint, then saves its own."""
+    root2, _ = two
+    root = root2 / "four"
+    res = _ok(launch("multihost_worker:restore_and_save", 4, devices_per_process=2, timeout_s=240,
+                     args={"saved_dir": str(root2 / "tree"), "root": str(root)}))
+    return root, res
+
+
+def _balance(stats):
+    written = [s["bytes_written"] for s in stats]
+    return written, max(written) / (sum(written) / len(written))
+
+
+def test_launcher_runs_real_distributed_processes_and_reports_errors():
+    res = launch("multihost_worker:probe", 2, devices_per_process=3, args={"fail_on": 1}, timeout_s=120)
+    assert res[0].ok and res[0].result == {"pi": 0, "pc": 2, "devices": 6, "local": 3, "collectives": "gloo"}
+    assert not res[1].ok and res[1].error_type == "ValueError" and "process 1" in res[1].error
+    with pytest.raises(AssertionError, match="failing on purpose"):
+        res.raise_if_failed()
+
+
+def test_two_processes_save_then_restore_bit_exact_on_same_and_other_mesh(two):
+    _, res = two
+    for r in res:
+        assert r["steps"] == [10]
+        assert r["restore_same"] == [] and r["restore_other"] == [] and r["host_numpy"] == []
+
+
+def test_one_process_checkpoint_restores_onto_two_processes(two):
+    _, res = two
+    assert [r["from_one_process"] for r in res] == [[], []]
+
+
+def test_each_replicated_byte_written_once_and_spread(two):
+    root, res = two
+    for key in ("tree_stats", "replicated_stats"):
+        stats = [r[key] for r in res]
+        assert [s["process_index"] for s in stats] == [0, 1]
+        written, worst = _balance(stats)
+        assert sum(written) == stats[0]["bytes_total"], (key, written)   # exactly one copy in total
+        assert all(w > 0 for w in written) and worst <= 1.1, (key, written)
+    m = read_manifest(open_store(str(root / "tree")), 10)
+    assert m["process_count"] == 2 and m["host"] == {0: "host/p0.msgpack", 1: "host/p1.msgpack"}
+    blob_writers = {rec["b"].split("/")[1].split("-")[0] for rec in m["leaves"] if rec["k"] == "packed"}
+    assert blob_writers <= {"p0", "p1"}
+
+
+def test_retention_runs_on_process_0_and_every_process_sees_the_same_steps(two):
+    _, res = two
+    assert [r["retained_steps"] for r in res] == [[3, 4], [3, 4]]
+    assert [r["retained_deleted"] for r in res] == [[[], [], [1], [2]]] * 2
+    assert [r["retained_x"] for r in res] == [[4] * 4] * 2
+
+
+def test_host_state_is_saved_per_process(two):
+    _, res = two
+    assert [r["host_state"] for r in res] == [{"pos": 100, "proc": 0}, {"pos": 101, "proc": 1}]
+
+
+def test_start_up_failure_on_process_0_is_raised_on_every_process(two):
+    _, res = two
+    assert res[0]["locked"][0] == "CheckpointLockedError"
+    assert res[1]["locked"][0] == "CheckpointError" and "process 0 could not open" in res[1]["locked"][1]
+
+
+@pytest.mark.parametrize("shape", [(1, 8), (1, 2)])
+def test_two_process_checkpoint_restores_in_one_process(two, shape):
+    root, _ = two
+    m = W.mesh(shape)
+    target = W.abstract(m)
+    with cc.CheckpointManager(str(root / "tree"), read_only=True) as mngr:
+        out = mngr.restore(target=target)
+        assert W.check(out, sharding_of={k: target[k].sharding for k in W.LAYOUT}) == []
+        assert all(out[k].is_fully_addressable for k in W.LAYOUT)
+        with pytest.raises(cc.IncompatibleCheckpointError, match="2 processes .* this run has 1"):
+            mngr.host_state()
+        assert mngr.host_state(remap={0: 1}) == {"pos": 101, "proc": 1}
+        assert mngr.host_state(process_index=0) == {"pos": 100, "proc": 0}
+
+
+def test_four_processes_restore_two_process_checkpoint_on_4x2(four):
+    _, res = four
+    assert [r["restore"] for r in res] == [[]] * 4
+
+
+def test_host_state_on_another_process_count_needs_a_mapping(four):
+    _, res = four
+    for r in res:
+        assert "2 processes [0, 1], but this run has 4 processes" in r["host_state_error"]
+        assert "remap=" in r["host_state_error"]
+    assert [r["host_state_remapped"]["pos"] for r in res] == [100, 101, 100, 101]
+    assert [r["host_state_fn"] for r in res] == [{"pos": 201, "i": i, "n": 4} for i in range(4)]
+
+
+def test_four_process_save_spreads_bytes_and_restores_in_one_process(four):
+    root, res = four
+    for key in ("tree_stats", "replicated_stats"):
+        stats = [r[key] for r in res]
+        written, worst = _balance(stats)
+        assert sum(written) == stats[0]["bytes_total"] and worst <= 1.1, (key, written)
+    for shape in ((1, 8), (2, 4)):
+        target = W.abstract(W.mesh(shape))
+        with cc.CheckpointManager(str(root / "tree"), read_only=True) as mngr:
+            assert W.check(mngr.restore(target=target)) == []
+            assert mngr.host_state(remap=lambda saved, i, n: sorted(s["pos"] for s in saved.values())) \
+                == [200, 201, 202, 203]
+
+
+def _die_then_resume(tmp_path, victim, phase="sync", nprocs=2):
+    root = str(tmp_path / "ckpt")
+    timeout_s = 8
+    died = launch("multihost_worker:die_mid_save", nprocs, devices_per_process=8 // nprocs, timeout_s=180,
+                  args={"root": root, "victim": victim, "timeout_s": timeout_s, "phase": phase})
+    assert died[victim].returncode == 17 and not died[victim].ok
+    assert sorted(os.listdir(root)) != [] and "step_0000000002" not in os.listdir(root)
+    assert open_store(root).committed_steps() == [1]
+    resumed = _ok(launch("multihost_worker:resume", nprocs, devices_per_process=8 // nprocs, timeout_s=180,
+                         args={"root": root}))
+    for r in resumed:
+        assert r["latest"] == 1 and r["leftovers"] == [] and r["restore"] == []
+        assert r["host_state"] == {"pos": 1}
+        assert r["steps"] == [1, 2] and r["restore2"] == []
+    return died, timeout_s
+
+
+def test_process_dies_mid_save_survivor_raises_nothing_committed_restart_resumes(tmp_path):
+    died, timeout_s = _die_then_resume(tmp_path, victim=1)
+    s = died[0]
+    assert s.ok, s.describe()
+    r = s.result
+    assert r["error_type"] == "CheckpointSaveError" and "not committed" in r["error"]
+    assert f"within {timeout_s}s" in r["error"] and "process 1" in r["error"]
+    assert "died or stuck" in r["failures"]["1"]
+    assert r["steps"] == [1] and r["latest"] == 1
+    print(f"survivor raised after {r['elapsed_s']:.1f}s (timeout_s={timeout_s})")
+
+
+@pytest.mark.slow
+def test_process_dies_before_first_barrier(tmp_path):
+    died, _ = _die_then_resume(tmp_path, victim=1, phase="start")
+    assert died[0].ok and died[0].result["error_type"] == "CheckpointSaveError"
+    assert died[0].result["steps"] == [1]
+
+
+@pytest.mark.slow
+def test_coordinator_process_dies_mid_save(tmp_path):
+    """Process 0 hosts JAX's coordination service: when it dies, JAX terminates the others itself
+    (fail-fast). Nothing is committed, and the restart resumes from the previous step."""
+    died, _ = _die_then_resume(tmp_path, victim=0)
+    assert not died[1].ok
+
+
+@pytest.mark.slow
+def test_one_of_four_processes_dies_mid_save(tmp_path):
+    died, _ = _die_then_resume(tmp_path, victim=2, nprocs=4)
+    for i in (0, 1, 3):
+        assert died[i].ok and died[i].result["error_type"] == "CheckpointSaveError", died[i].describe()
+        assert died[i].result["steps"] == [1]
+
+
+def test_single_process_coordination_is_a_no_op():
+    c = coordination.current()
+    assert isinstance(c, coordination.SingleProcess) and c.process_count == 1 == jax.process_count()
+    assert coordination.for_directory(c, "/x") is c and c.scoped("a") is c
+    assert c.all_gather("g", b"x", 1) == [b"x"] and c.broadcast("b", b"y", 1) == b"y"
