@@ -310,3 +310,34 @@ def test_linen_trainstate_roundtrip_in_process(ckdir):
         got, start = hook.restore_or_init(fresh)
     assert start == 1 and isinstance(got, train_state.TrainState) and got.apply_fn == m.apply
     assert_tree_equal(_host(got), _host(st))
+
+
+def _doc_blocks():
+    text = open(os.path.join(HERE, "..", "docs", "flax.md")).read()
+    blocks = text.split("```python\n")[1:]
+    return [b.split("```")[0] for b in blocks if "CKPT_DIR = " in b]
+
+
+@pytest.mark.parametrize("which", ["nnx", "linen"])
+def test_docs_copy_paste_loops_run_and_resume(tmp_path, which):
+    nnx_code, linen_code = _doc_blocks()
+    code = nnx_code if which == "nnx" else linen_code
+    d = str(tmp_path / "ckpt")
+    code = code.replace(f'CKPT_DIR = "/tmp/flax-{which}-run"', f"CKPT_DIR = {d!r}")
+    assert d in code
+    script = tmp_path / "loop.py"
+    script.write_text(code)
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    outs = []
+    for _ in range(2):       # the second run finds step 30 committed and does nothing more
+        p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=env)
+        assert p.returncode == 0, p.stdout + p.stderr
+        outs.append(p.stdout)
+    assert "starting at step 0" in outs[0] and "starting at step 30" in outs[1]
+    kept = [line for line in outs[0].splitlines() if "kept:" in line][0]
+    if which == "nnx":   # eval steps 5, 10, ..., 30 are saved: KeepLast(2) keeps 25 and 30, plus the best
+        with cc.CheckpointManager(d, read_only=True, retention=cc.KeepBest("val_loss", "min")) as m:
+            best = m.best_step()
+        assert kept.endswith(str(sorted({25, 30, best})))
+    else:
+        assert kept.endswith("[10, 20, 30]")
