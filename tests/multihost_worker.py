@@ -117,6 +117,22 @@ def replicated_tree(m: Mesh) -> dict:
     return tree
 
 
+def row_sharded(m: Mesh, abstract_only: bool = False):
+    """A 2 MB float32 array sharded by rows over mesh axis "a" (one zarr chunk per saved shard)."""
+    v = np.arange(1024 * 512, dtype=np.float32).reshape(1024, 512)
+    s = NamedSharding(m, P("a", None))
+    if abstract_only:
+        return jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s)
+    return jax.make_array_from_callback(v.shape, s, lambda idx: v[idx])
+
+
+def _bytes_read() -> int:
+    import tensorstore as ts
+    for m in ts.experimental_collect_matching_metrics("/tensorstore/kvstore/file/bytes_read"):
+        return sum(v.get("value", 0) for v in m["values"])
+    return 0
+
+
 def _stats(mngr) -> dict:
     s = mngr.last_stats
     return {"bytes_written": s.bytes_written, "bytes_total": s.bytes_total, "process_index": s.process_index,
@@ -170,6 +186,9 @@ def save_and_check(root: str, one_process_dir: str | None = None, mesh_shape=(2,
         mngr.wait_until_finished()
         out["replicated_stats"] = _stats(mngr)
 
+    with cc.CheckpointManager(os.path.join(root, "sharded"), timeout_s=60) as mngr:
+        mngr.save(1, {"rows": row_sharded(m)})
+
     with cc.CheckpointManager(os.path.join(root, "retained"), retention=cc.KeepLast(2), timeout_s=60) as mngr:
         for step in range(1, 5):
             mngr.save(step, {"x": np.full(4, step, np.int32), "w": tree["w"]})
@@ -196,6 +215,12 @@ def restore_and_save(saved_dir: str, root: str, mesh_shape=(4, 2)) -> dict:
             out["host_state_error"] = str(e)
         out["host_state_remapped"] = r.host_state(remap={p: p % 2 for p in range(jax.process_count())})
         out["host_state_fn"] = r.host_state(remap=lambda saved, i, n: {"pos": sum(s["pos"] for s in saved.values()), "i": i, "n": n})
+    with cc.CheckpointManager(os.path.join(os.path.dirname(saved_dir), "sharded"), read_only=True) as r:
+        before = _bytes_read()
+        rows = r.restore(target={"rows": row_sharded(m, abstract_only=True)})["rows"]
+        out["sharded_bytes_read"] = _bytes_read() - before
+        want = np.asarray(row_sharded(mesh((1, 1), jax.local_devices())))
+        out["sharded_ok"] = all(np.array_equal(np.asarray(sh.data), want[sh.index]) for sh in rows.addressable_shards)
     with cc.CheckpointManager(os.path.join(root, "tree"), timeout_s=60) as mngr:
         mngr.save(20, make_tree(global_values(), m), host_state={"pos": 200 + pi})
         mngr.wait_until_finished()

@@ -130,6 +130,15 @@ def test_four_processes_restore_two_process_checkpoint_on_4x2(four):
     assert [r["restore"] for r in res] == [[]] * 4
 
 
+def test_each_process_reads_only_the_chunks_its_shards_need(four):
+    """2 MB saved by 2 processes as two row-half chunks; on 4x2 each process needs a quarter of
+    the rows, which lie in one chunk: it reads that chunk (1 MB, chunks are checksummed whole)."""
+    _, res = four
+    for r in res:
+        assert r["sharded_ok"]
+        assert (1 << 20) <= r["sharded_bytes_read"] < (1 << 20) + 4096, r["sharded_bytes_read"]
+
+
 def test_host_state_on_another_process_count_needs_a_mapping(four):
     _, res = four
     for r in res:
