@@ -243,6 +243,22 @@ def die_mid_save(root: str, victim: int, timeout_s: float, phase: str = "sync") 
     mngr = cc.CheckpointManager(root, timeout_s=timeout_s, async_save=True)
     mngr.save(1, make_tree(global_values(1), m, seed=1), host_state={"pos": 1})
     mngr.wait_until_finished()
+    out: dict = {"process_index": pi}
+    # first an ordinary failure on the victim (a write error): every process learns it, nothing commits
+    write = mngr.store.write
+    if pi == victim:
+        def failing_write(rel, data):
+            raise OSError(f"injected write failure of {rel.split('/', 1)[1]}")
+        mngr.store.write = failing_write
+    try:
+        mngr.save(2, make_tree(global_values(2), m, seed=2), host_state={"pos": 2})
+        mngr.wait_until_finished()
+        out["write_error"] = None
+    except cc.CheckpointSaveError as e:
+        out["write_error"] = {str(k): v for k, v in e.failures.items()}
+    mngr.store.write = write
+    out["steps_after_write_error"] = mngr.all_steps()
+    # then the victim dies mid-save
     if pi == victim:
         def die(*a, **k):
             os._exit(17)
@@ -251,7 +267,6 @@ def die_mid_save(root: str, victim: int, timeout_s: float, phase: str = "sync") 
         else:
             mngr.store.begin = die
     t0 = time.monotonic()
-    out: dict = {"process_index": pi}
     try:
         mngr.save(2, make_tree(global_values(2), m, seed=2), host_state={"pos": 2})
         mngr.wait_until_finished()

@@ -168,6 +168,11 @@ def _die_then_resume(tmp_path, victim, phase="sync", nprocs=2):
     died = launch("multihost_worker:die_mid_save", nprocs, devices_per_process=8 // nprocs, timeout_s=180,
                   args={"root": root, "victim": victim, "timeout_s": timeout_s, "phase": phase})
     assert died[victim].returncode == 17 and not died[victim].ok
+    for r in died:
+        if r.ok:   # an ordinary write error on the victim first: reported by every process, not committed
+            assert list(r.result["write_error"]) == [str(victim)], r.result["write_error"]
+            assert "OSError: injected write failure of " in r.result["write_error"][str(victim)]
+            assert r.result["steps_after_write_error"] == [1]
     assert sorted(os.listdir(root)) != [] and "step_0000000002" not in os.listdir(root)
     assert open_store(root).committed_steps() == [1]
     resumed = _ok(launch("multihost_worker:resume", nprocs, devices_per_process=8 // nprocs, timeout_s=180,
