@@ -13,10 +13,12 @@ Example::
 
 Who calls what: every process constructs the manager and calls `save`/`restore` with the same
 arguments in the same order (SPMD). `save` runs on the caller's thread only for the snapshot; a
-background thread writes, commits, then (process 0) applies retention and deletes. One save is in
-flight at a time: the next `save`, `wait_until_finished` or `close` waits for it and re-raises its
-failure. Start-up (process 0): check the directory is writable, take the writer lock, remove
-leftovers of crashed saves (only names this package creates).
+background thread writes, commits, then (process 0) applies retention and deletes, and tells the
+other processes, which wait for it (so every process then sees the same committed steps). One save
+is in flight at a time: the next `save`, `wait_until_finished` or `close` waits for it and re-raises
+its failure. Start-up (process 0): check the directory is writable, take the writer lock, remove
+leftovers of crashed saves (only names this package creates); the other processes wait for its
+outcome and raise if it failed. Multi-host details: docs/multihost.md.
 
 Saving a step that is already committed never overwrites it: the save is skipped with a warning
 (the resumed-run case) and returns False; ``force=True`` replaces it atomically (POSIX).

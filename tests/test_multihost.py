@@ -7,16 +7,21 @@ save), and the pytest process itself (8 devices) restores them on 1x8 and 1x2. A
 mid-save, and the restart after it, are their own launches.
 """
 
+import collections
+import itertools
 import json
+import math
 import os
 import socket
 
+import hypothesis
+import hypothesis.strategies as st
 import jax
 import pytest
 
 import ckpt_callbacks as cc
 import multihost_worker as W
-from ckpt_callbacks import coordination
+from ckpt_callbacks import coordination, snapshot
 from ckpt_callbacks.restore import read_manifest
 from ckpt_callbacks.storage import open_store
 from multiproc import launch
@@ -224,3 +229,19 @@ def test_single_process_coordination_is_a_no_op():
     assert isinstance(c, coordination.SingleProcess) and c.process_count == 1 == jax.process_count()
     assert coordination.for_directory(c, "/x") is c and c.scoped("a") is c
     assert c.all_gather("g", b"x", 1) == [b"x"] and c.broadcast("b", b"y", 1) == b"y"
+
+
+@hypothesis.settings(max_examples=200, deadline=None)
+@hypothesis.given(st.lists(st.tuples(st.integers(0, 5), st.integers(1, 9), st.integers(1, 4)), min_size=0, max_size=3))
+def test_replicated_shard_pieces_tile_the_shard_exactly(dims):
+    """The pieces a replicated shard is split into are chunk-aligned, disjoint and cover it."""
+    box = tuple((a, a + n * k) for a, n, k in dims)       # extent n*k: chunk k divides it
+    chunk = [k for _, _, k in dims]
+    pieces = snapshot._pieces(box, chunk)
+    cells = collections.Counter()
+    for p in pieces:
+        assert all(a0 <= lo < hi <= a1 and (lo - a0) % c == 0 and hi - lo == c
+                   for (lo, hi), (a0, a1), c in zip(p, box, chunk))
+        cells.update(itertools.product(*[range(lo, hi) for lo, hi in p]))
+    assert set(cells.values()) <= {1}
+    assert len(cells) == math.prod(b - a for a, b in box)
