@@ -1,0 +1,144 @@
+"""CheckpointManager: intervals, retention with restart, start-up cleanup, existing steps, locks."""
+
+import logging
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import ckpt_callbacks as cc
+from ckpt_callbacks import format as fmt
+
+
+def tree(step):
+    return {"x": np.full(4, step, np.float32), "step": step}
+
+
+def test_interval_and_force(ckdir):
+    with cc.CheckpointManager(ckdir, save_interval_steps=5) as m:
+        saved = [s for s in range(1, 13) if m.save(s, tree(s))]
+        assert m.save(13, tree(13), force=True)
+        m.wait_until_finished()
+        assert saved == [5, 10] and m.all_steps() == [5, 10, 13] and m.latest_step() == 13
+
+
+def test_retention_survives_restart_and_best_is_rebuilt(ckdir):
+    losses = {1: 0.9, 2: 0.3, 3: 0.5, 4: 0.1, 5: 0.7, 6: None, 7: 0.8}
+    policy = [cc.KeepLast(2), cc.KeepBest("val_loss", "min", 2)]
+    with cc.CheckpointManager(ckdir, retention=policy) as m:
+        for s in range(1, 5):
+            m.save(s, tree(s), metrics={"val_loss": losses[s]})
+        m.wait_until_finished()
+        assert m.all_steps() == [2, 3, 4] and m.best_step() == 4
+    with cc.CheckpointManager(ckdir, retention=policy) as m:      # a restarted run
+        assert m.latest_step() == 4 and m.best_step() == 4 and m.metrics(2) == {"val_loss": 0.3}
+        for s in range(5, 8):
+            m.save(s, tree(s), metrics=None if losses[s] is None else {"val_loss": losses[s]})
+        m.wait_until_finished()
+        assert m.all_steps() == [2, 4, 6, 7]
+        assert m.metrics(6) == {} and m.metrics(99) is None
+        np.testing.assert_array_equal(m.restore()["x"], tree(7)["x"])
+
+
+def test_time_based_retention_with_injected_clock(ckdir):
+    now = [1000.0]
+    with cc.CheckpointManager(ckdir, retention=cc.KeepEveryNSeconds(3600), clock=lambda: now[0]) as m:
+        for s in range(1, 8):
+            m.save(s, tree(s))
+            now[0] += 1500.0          # saves at 1000, 2500, 4000, 5500, 7000, 8500, 10000
+        m.wait_until_finished()
+        # windows [0,3600): 1; [3600,7200): 3; [7200,10800): 6; and the newest (7)
+        assert m.all_steps() == [1, 3, 6, 7]
+
+
+def test_existing_step_is_skipped_with_a_warning_and_force_replaces(ckdir, caplog):
+    with cc.CheckpointManager(ckdir) as m:
+        m.save(3, tree(3))
+        m.wait_until_finished()
+    with cc.CheckpointManager(ckdir) as m, caplog.at_level(logging.WARNING, "ckpt_callbacks"):
+        assert m.save(3, {"x": np.zeros(4, np.float32), "step": -1}) is False   # resumed run: no crash
+        assert "already committed" in caplog.text
+        np.testing.assert_array_equal(m.restore(3)["x"], tree(3)["x"])
+        assert m.save(3, {"x": np.zeros(4, np.float32), "step": -1}, force=True)
+        m.wait_until_finished()
+        assert m.restore(3)["step"] == -1 and m.all_steps() == [3]
+    assert not [n for n in os.listdir(ckdir) if ".del-" in n or ".tmp-" in n]
+
+
+def test_leftovers_cleaned_foreign_files_untouched(ckdir):
+    with cc.CheckpointManager(ckdir) as m:
+        m.save(1, tree(1))
+    os.makedirs(os.path.join(ckdir, "step_0000000002.tmp-0123456789ab", "arrays"))
+    os.makedirs(os.path.join(ckdir, "step_0000000001.del-abcdef012345"))
+    foreign = ["README", "step_12", "step_0000000003.tmp-xyz", "my_step_0000000004", "tensorboard"]
+    for f in foreign:
+        open(os.path.join(ckdir, f), "w").write("user data")
+    os.makedirs(os.path.join(ckdir, "step_0000000005.backup"))
+    with cc.CheckpointManager(ckdir) as m:
+        assert m.all_steps() == [1]
+    left = sorted(os.listdir(ckdir))
+    assert left == sorted(foreign + ["step_0000000001", "step_0000000005.backup"]), left
+    assert all(open(os.path.join(ckdir, f)).read() == "user data" for f in foreign)
+
+
+def test_discovery_of_1000_steps(ckdir):
+    os.makedirs(ckdir)
+    with cc.CheckpointManager(ckdir, async_save=False) as m:
+        m.save(0, tree(0))
+    src = os.path.join(ckdir, fmt.step_name(0))
+    for s in range(1, 1000):       # committed steps made by copying one (the listing is what's tested)
+        subprocess.run(["cp", "-r", src, os.path.join(ckdir, fmt.step_name(s))], check=True) if s < 3 else \
+            os.makedirs(os.path.join(ckdir, fmt.step_name(s)))
+    t = time.perf_counter()
+    m = cc.CheckpointManager(ckdir)
+    steps, latest = m.all_steps(), m.latest_step()
+    elapsed = time.perf_counter() - t
+    m.close()
+    assert steps == list(range(1000)) and latest == 999
+    print(f"start-up + discovery of 1000 steps: {elapsed * 1e3:.1f} ms")
+
+
+def test_logging_one_line_per_commit(ckdir, caplog):
+    with caplog.at_level(logging.INFO, "ckpt_callbacks"):
+        with cc.CheckpointManager(ckdir, retention=cc.KeepLast(1)) as m:
+            m.save(1, tree(1))
+            m.save(2, tree(2))
+    lines = [r.getMessage() for r in caplog.records if "committed step" in r.getMessage()]
+    assert len(lines) == 2
+    assert "step 2" in lines[1] and "blocking" in lines[1] and "total" in lines[1] and "deleted steps [1]" in lines[1]
+
+
+def test_second_writer_is_refused_naming_the_owner_and_stale_lock_recovered(ckdir):
+    m = cc.CheckpointManager(ckdir)
+    code = ("import sys, ckpt_callbacks as cc\n"
+            "try:\n    cc.CheckpointManager(sys.argv[1])\n"
+            "except cc.CheckpointLockedError as e:\n    print('LOCKED', e)\n")
+    r = subprocess.run([sys.executable, "-c", code, ckdir], capture_output=True, text=True, timeout=120)
+    assert "LOCKED" in r.stdout and f"pid {os.getpid()}" in r.stdout, r.stdout + r.stderr
+    assert cc.CheckpointManager(ckdir, read_only=True).all_steps() == []        # readers are never refused
+    m.close()
+    # a writer killed without close() leaves a stale lock, recovered by the next writer
+    code2 = ("import os, sys, ckpt_callbacks as cc\n"
+             "m = cc.CheckpointManager(sys.argv[1]); m.save(1, {'a': 1}); m.wait_until_finished()\n"
+             "os._exit(0)\n")
+    subprocess.run([sys.executable, "-c", code2, ckdir], check=True, timeout=120)
+    assert os.path.exists(os.path.join(ckdir, ".ckpt_callbacks.lock"))
+    with cc.CheckpointManager(ckdir) as m2:
+        assert m2.all_steps() == [1]
+
+
+def test_bad_arguments_are_clear(ckdir):
+    with pytest.raises(cc.ConfigError, match="save_interval_steps"):
+        cc.CheckpointManager(ckdir, save_interval_steps=0)
+    with pytest.raises(cc.ConfigError, match="retention"):
+        cc.CheckpointManager(ckdir, retention="keep_last")
+    with cc.CheckpointManager(ckdir) as m:
+        with pytest.raises(cc.ConfigError, match="metrics"):
+            m.save(1, tree(1), metrics={"loss": "nope"} and {"loss": object()})
+        with pytest.raises(cc.ConfigError, match="step"):
+            m.save(-1, tree(1))
+    with pytest.raises(cc.CheckpointError, match="closed"):
+        m.save(2, tree(2))

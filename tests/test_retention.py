@@ -1,0 +1,104 @@
+"""Retention policies: exact surviving steps, properties, and config parsing."""
+
+import math
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import ckpt_callbacks as cc
+from ckpt_callbacks.retention import StepInfo, decide
+
+NAN = float("nan")
+
+
+def infos(steps, metric=None, times=None):
+    metric = metric or {}
+    return [StepInfo(s, (times or {}).get(s, float(s)), {"loss": metric[s]} if s in metric else {}) for s in steps]
+
+
+LOSS = {10: 0.5, 20: 0.2, 30: 0.9, 40: NAN, 50: 0.3, 60: 0.1}
+STEPS = [10, 20, 30, 40, 50, 60, 70]   # 70 has no metric
+
+
+@pytest.mark.parametrize("policies, expected", [
+    (None, STEPS),
+    ([cc.KeepLast(2)], [60, 70]),
+    ([cc.KeepLast(1)], [70]),
+    ([cc.KeepEvery(20)], [20, 40, 60, 70]),                      # newest always kept
+    ([cc.KeepSteps([10, 30, 999])], [10, 30, 70]),
+    ([cc.KeepBest("loss", "min", 2)], [20, 60, 70]),
+    ([cc.KeepBest("loss", "max", 2)], [10, 30, 70]),             # NaN is worst in both modes
+    ([cc.KeepBest("loss", "min", 6)], [10, 20, 30, 40, 50, 60, 70]),  # NaN ranks last but counts
+    ([cc.KeepBest("acc", "max", 3)], [70]),                      # nobody reported it
+    ([cc.KeepLast(2), cc.KeepBest("loss", "min", 1)], [60, 70]),
+    ([cc.KeepLast(1), cc.KeepBest("loss", "min", 2), cc.KeepEvery(30)], [20, 30, 60, 70]),
+    ([cc.KeepEveryNSeconds(25)], [10, 30, 50, 70]),              # first of each 25 s window
+])
+def test_surviving_steps_table(policies, expected):
+    assert sorted(decide(policies, infos(STEPS, LOSS))) == expected
+
+
+def test_best_ties_go_to_newer_step():
+    p = cc.KeepBest("loss", "min", 1)
+    assert p.rank(infos([1, 2, 3], {1: 0.5, 2: 0.5, 3: 0.7})) == [2, 1, 3]
+
+
+step_sets = st.lists(st.integers(0, 10_000), min_size=1, max_size=40, unique=True)
+metric_values = st.one_of(st.none(), st.floats(allow_nan=True, allow_infinity=True))
+policy_st = st.lists(st.one_of(
+    st.builds(cc.KeepLast, st.integers(1, 5)),
+    st.builds(cc.KeepEvery, st.integers(1, 50)),
+    st.builds(cc.KeepBest, st.just("loss"), st.sampled_from(["min", "max"]), st.integers(1, 4)),
+    st.builds(cc.KeepSteps, st.lists(st.integers(0, 10_000), max_size=5)),
+    st.builds(cc.KeepEveryNSeconds, st.floats(1, 5000))), min_size=0, max_size=4)
+
+
+@settings(max_examples=200, deadline=None)
+@given(steps=step_sets, data=st.data(), policies=policy_st)
+def test_properties(steps, data, policies):
+    vals = {s: data.draw(metric_values) for s in steps}
+    metric = {s: v for s, v in vals.items() if v is not None}
+    inf = infos(steps, metric)
+    keep = decide(policies, inf)
+    assert max(steps) in keep                                             # newest always survives
+    assert keep <= set(steps)
+    shuffled = data.draw(st.permutations(inf))
+    assert decide(policies, shuffled) == keep                             # order-independent
+    for p in policies:
+        if isinstance(p, cc.KeepBest):
+            chosen = p.keep(inf)
+            assert chosen <= set(metric)                                  # no metric: never best
+            def score(s):
+                v = metric[s]
+                return math.inf if math.isnan(v) else (v if p.mode == "min" else -v)
+            ranked = sorted(metric, key=score)
+            assert len(chosen) == min(p.n, len(metric))
+            if chosen and len(chosen) < len(metric):                     # the true best n
+                worst_kept = max(score(s) for s in chosen)
+                assert all(score(s) >= worst_kept for s in set(metric) - chosen)
+            assert chosen <= set(metric) and (not ranked or score(ranked[0]) == min(score(s) for s in chosen) or not chosen)
+
+
+def test_config_builds_policies():
+    ps = cc.retention_from_config({"keep_last": 3, "keep_every": 1000, "keep_steps": [5000],
+                                   "keep_best": {"metric": "val_loss", "mode": "min", "n": 2},
+                                   "keep_every_n_seconds": 3600})
+    assert ps == [cc.KeepLast(3), cc.KeepEvery(1000), cc.KeepSteps([5000]), cc.KeepBest("val_loss", "min", 2),
+                  cc.KeepEveryNSeconds(3600)]
+
+
+@pytest.mark.parametrize("config, key", [
+    ({"keep_lats": 3}, "retention.keep_lats"),
+    ({"keep_last": 0}, "retention.keep_last"),
+    ({"keep_last": "3"}, "retention.keep_last"),
+    ({"keep_best": {"metric": "x", "mode": "up"}}, "retention.keep_best"),
+    ({"keep_best": {"mode": "min"}}, "retention.keep_best"),
+    ({"keep_best": {"metric": "x", "top": 2}}, "retention.keep_best"),
+    ({"keep_steps": 5}, "retention.keep_steps"),
+    ({"keep_every_n_seconds": -1}, "retention.keep_every_n_seconds"),
+])
+def test_bad_config_names_the_key(config, key):
+    with pytest.raises(cc.ConfigError) as e:
+        cc.retention_from_config(config)
+    assert str(e.value).startswith(key), str(e.value)
+    assert isinstance(e.value, ValueError)
