@@ -1,0 +1,396 @@
+"""Keras 3 `model.fit` callback: async full-state checkpoints, best-by-metric retention, exact resume.
+
+Example::
+
+    import os; os.environ.setdefault("KERAS_BACKEND", "jax")
+    import keras, numpy as np
+    from ckpt_callbacks.keras import AsyncCheckpoint
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    model.compile(optimizer="adam", loss="mse")
+    x, y = np.random.rand(64, 4), np.random.rand(64, 1)
+    cb = AsyncCheckpoint("/tmp/run", keep_last=2, keep_best=1)          # best by val_loss
+    model.fit(x, y, validation_split=0.25, epochs=5, callbacks=[cb])     # re-run it: it resumes
+
+Who calls what, in which order (Keras calls the hooks; on every process under multi-host SPMD):
+  * `on_train_begin`: opens a `CheckpointManager` on `directory`; if a step is committed there,
+    restores it strictly into the model (every variable or an `IncompatibleCheckpointError` listing
+    the mismatched paths), restores the host RNGs Keras' input pipelines draw from, and makes `fit`
+    start at the next unseen epoch (it sets ``model._initial_epoch``, the attribute Keras' own
+    `BackupAndRestore` uses and `fit` reads right after this hook).
+  * `on_epoch_begin`: for the epoch a resumed run continues in the middle of, positions the
+    `ResumableDataset` after the batches already trained on and restores the epoch's running metrics.
+  * `on_train_batch_end` / `on_train_batch_begin` (``save_freq=N``): counts batches; a due save is
+    taken at the next batch's begin (same state, and it never collides with the epoch-end save).
+  * `on_epoch_end`: records the monitor's best value and saves with the epoch's logs as metrics
+    (``val_*`` appear only here, so only epoch-end steps can rank as best).
+  * `on_train_end`: waits for the last save, applies retention, closes the manager; a background
+    failure is raised here, never swallowed.
+
+A save takes ``model.get_state_tree()`` (trainable, non-trainable incl. seed-generator state,
+optimizer incl. iteration, metrics; the optimizer's auto-numbered name is stored as "optimizer")
+after `model.jax_state_sync()` (mid-epoch the JAX trainer keeps
+the live state outside the variables and donates it every step; the manager copies it before
+`save` returns), plus progress (epoch, batch within it, global step, best) and, per process, the
+state of Python's and NumPy's global RNGs. The step number is the global count of trained batches.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import time
+import warnings
+
+import keras
+import numpy as np
+
+from .errors import CheckpointError, ConfigError, IncompatibleCheckpointError
+from .keras_data import ResumableDataset
+from .manager import CheckpointManager
+from .retention import KeepBest, KeepLast, as_policies
+
+__all__ = ["AsyncCheckpoint", "ResumableDataset"]
+
+log = logging.getLogger("ckpt_callbacks")
+
+_GROUPS = ("trainable_variables", "non_trainable_variables", "optimizer_variables", "metrics_variables")
+_PROGRESS = ("epoch", "batch", "global_step", "best", "version")
+_RAN_OUT = "Your input ran out of data"
+_OPTIMIZER = "optimizer"
+
+
+class _KeepBestBeyond(KeepBest):
+    """KeepBest whose candidates must also beat `threshold` (Keras' ``initial_value_threshold``)."""
+
+    def __init__(self, metric, mode, n, threshold):
+        super().__init__(metric, mode, n)
+        object.__setattr__(self, "threshold", float(threshold))
+
+    def rank(self, infos):
+        ok = (lambda v: v < self.threshold) if self.mode == "min" else (lambda v: v > self.threshold)
+        by_step = {i.step: i for i in infos}
+        return [s for s in super().rank(infos) if ok(float(by_step[s].metrics[self.metric]))]
+
+
+def _flatten(nested: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in nested.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}/"))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def _state_tree(model) -> dict:
+    """`model.get_state_tree()`, with the optimizer's own (auto-numbered: "adam", "adam_1", ...) name
+    replaced by "optimizer", so a model rebuilt in the same process still matches its checkpoint."""
+    tree = model.get_state_tree()
+    opt = tree["optimizer_variables"]
+    name = model.optimizer.name
+    if name in opt and _OPTIMIZER not in opt:
+        opt[_OPTIMIZER] = opt.pop(name)
+    return tree
+
+
+def _saved_path(model, group: str, path: str) -> str:
+    name = model.optimizer.name
+    if group == "optimizer_variables" and path.startswith(name + "/"):
+        return _OPTIMIZER + path[len(name):]
+    return path
+
+
+def _variable_groups(model) -> dict:
+    return {"trainable_variables": model.trainable_variables,
+            "non_trainable_variables": model.non_trainable_variables,
+            "optimizer_variables": model.optimizer.variables,
+            "metrics_variables": model.metrics_variables}
+
+
+def _rng_state() -> dict:
+    version, state, gauss = random.getstate()
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    return {"python": [version, list(state), gauss],
+            "numpy": [name, np.asarray(keys, "<u4").tobytes(), int(pos), int(has_gauss), float(cached)]}
+
+
+def _set_rng_state(s: dict) -> None:
+    version, state, gauss = s["python"]
+    random.setstate((version, tuple(state), gauss))
+    name, keys, pos, has_gauss, cached = s["numpy"]
+    np.random.set_state((name, np.frombuffer(keys, "<u4").copy(), pos, has_gauss, cached))
+
+
+def _numeric_logs(logs) -> dict:
+    out = {}
+    for k, v in (logs or {}).items():
+        try:
+            out[str(k)] = float(v)
+        except (TypeError, ValueError):
+            pass
+    return out
+
+
+class AsyncCheckpoint(keras.callbacks.Callback):
+    """Checkpoints `model.fit` asynchronously and resumes it exactly. See the module docstring.
+
+    Args:
+      directory: local path, ``s3://bucket/prefix`` or ``gs://bucket/prefix``; one run per directory.
+      save_freq: ``"epoch"`` (at each epoch end) or an int N: every N batches, and at each epoch end.
+      monitor: the logs key that ranks checkpoints for `keep_best` (``"val_loss"``).
+      mode: ``"auto"`` (losses minimize; compiled metrics use their direction), ``"min"``, ``"max"``.
+      initial_value_threshold: a step ranks as best only if its monitor value beats this.
+      retention: a policy, list of policies or config dict (see `ckpt_callbacks.retention_from_config`);
+        combined ("kept if any keeps") with the two shorthands below. All None: keep every step.
+      keep_last: keep the N newest steps.
+      keep_best: keep the N best steps by `monitor` (True means 1). Steps without the monitor
+        (mid-epoch saves, epochs without validation) never rank.
+      resume: restore the latest committed step in `on_train_begin` (False: refuse a directory that
+        already holds checkpoints rather than mix two runs).
+      data: what lets a mid-epoch resume continue at the next unseen batch: the `ResumableDataset`
+        passed to `fit`, or any object with ``get_state()``/``set_state()`` (saved per process at the
+        step boundary). Required with an int `save_freq`; ``data=False`` accepts restarting an
+        interrupted epoch from its first batch (its earlier batches are trained on twice).
+      async_save, max_staging_bytes: passed to `CheckpointManager`.
+      verbose: 1 prints a line per resume and per save.
+    """
+
+    def __init__(self, directory, *, save_freq="epoch", monitor: str = "val_loss", mode: str = "auto",
+                 initial_value_threshold: float | None = None, retention=None, keep_last: int | None = None,
+                 keep_best: int | bool | None = None, resume: bool = True, data=None, async_save: bool = True,
+                 max_staging_bytes: int | None = None, verbose: int = 0):
+        super().__init__()
+        if keras.config.backend() != "jax":
+            raise ConfigError(f"AsyncCheckpoint needs the JAX backend, but Keras runs on "
+                              f"{keras.config.backend()!r}. Fix: set KERAS_BACKEND=jax before importing keras.")
+        if save_freq != "epoch" and (isinstance(save_freq, bool) or not isinstance(save_freq, int) or save_freq < 1):
+            raise ConfigError(f"save_freq must be 'epoch' or a positive int (batches), got {save_freq!r}")
+        if mode not in ("auto", "min", "max"):
+            raise ConfigError(f"mode must be 'auto', 'min' or 'max', got {mode!r}")
+        if keep_best is True:
+            keep_best = 1
+        if keep_best is False:
+            keep_best = None
+        self._base_policies = as_policies(retention)  # validates now
+        if keep_last is not None:
+            KeepLast(keep_last)
+        if keep_best is not None:
+            KeepBest(monitor, "min", keep_best)
+        if isinstance(save_freq, int) and data is None:
+            raise ConfigError(
+                f"save_freq={save_freq} saves mid-epoch, but AsyncCheckpoint cannot make a resumed fit() "
+                "continue at the next unseen batch without the input's position. Fix: wrap an index-based "
+                "PyDataset in ckpt_callbacks.keras_data.ResumableDataset and pass it both to fit() and as "
+                "data=..., pass an iterator with get_state()/set_state() as data=..., or pass data=False "
+                "to restart an interrupted epoch from its first batch.")
+        if data not in (None, False) and not isinstance(data, ResumableDataset) and not (
+                callable(getattr(data, "get_state", None)) and callable(getattr(data, "set_state", None))):
+            raise ConfigError(f"data must be a ResumableDataset, an object with get_state()/set_state(), "
+                              f"None or False; got {type(data).__name__}")
+        self.directory = directory
+        self.save_freq, self.monitor, self.mode = save_freq, monitor, mode
+        self.initial_value_threshold = initial_value_threshold
+        self.keep_last, self.keep_best = keep_last, keep_best
+        self.resume, self.data, self.verbose = bool(resume), data, verbose
+        self.async_save, self.max_staging_bytes = async_save, max_staging_bytes
+        self.manager: CheckpointManager | None = None
+        self.best: float | None = None
+        self.resumed_step: int | None = None     # step restored by the last on_train_begin, or None
+        self.initial_epoch = 0                   # where the last fit() started (after resuming)
+        self.initial_batch = 0                   # batches of `initial_epoch` skipped on resume
+        self.last_blocking_s: float | None = None
+        self._warn_ctx = None
+        self._set_initial_epoch = False
+        self._open = False
+
+    # -- set-up -------------------------------------------------------------------------------
+    def _resolved_mode(self) -> str | None:
+        if self.mode != "auto":
+            return self.mode
+        name = self.monitor.removeprefix("val_")
+        if name == "loss" or name.endswith("_loss"):
+            return "min"
+        for container in getattr(self.model, "metrics", []):
+            for m in getattr(container, "metrics", [container]):
+                if getattr(m, "name", None) == name and hasattr(m, "_direction"):
+                    return "max" if m._direction == "up" else "min"
+        return None
+
+    def _policies(self, mode: str | None):
+        policies = list(self._base_policies or [])
+        if self.keep_last is not None:
+            policies.append(KeepLast(self.keep_last))
+        if self.keep_best is not None:
+            if mode is None:
+                raise ConfigError(f"keep_best: cannot tell whether monitor={self.monitor!r} should be minimized "
+                                  f"or maximized. Fix: pass mode='min' or mode='max'.")
+            if self.initial_value_threshold is None:
+                policies.insert(0, KeepBest(self.monitor, mode, self.keep_best))
+            else:
+                policies.insert(0, _KeepBestBeyond(self.monitor, mode, self.keep_best, self.initial_value_threshold))
+        return policies if (policies or self._base_policies is not None) else None
+
+    def on_train_begin(self, logs=None):
+        self._close(raise_errors=False)      # left open by a fit() that raised
+        self._mode = self._resolved_mode()
+        self.manager = CheckpointManager(self.directory, retention=self._policies(self._mode),
+                                         async_save=self.async_save, max_staging_bytes=self.max_staging_bytes)
+        self._open = True
+        self.best = self.initial_value_threshold
+        self.resumed_step, self.initial_epoch, self.initial_batch = None, 0, 0
+        self._epoch, self._batch, self._global_step = 0, 0, 0
+        self._since_save, self._pending, self._skip = 0, False, 0
+        self._resume_at, self._resumed_metrics = None, None
+        step = self.manager.latest_step()
+        if step is None:
+            return
+        if not self.resume:
+            raise ConfigError(f"{self.manager.store.url} already holds checkpoints (latest step {step}) and "
+                              f"resume=False. Fix: use a new directory, or resume=True to continue that run.")
+        self._restore(step)
+
+    def _restore(self, step: int) -> None:
+        model = self.model
+        if not hasattr(model, "_initial_epoch"):
+            raise CheckpointError(f"this Keras ({keras.__version__}) has no model._initial_epoch, which "
+                                  "AsyncCheckpoint sets to resume at the next epoch; use Keras >= 3.0")
+        target = {"model": _state_tree(model), "progress": dict.fromkeys(_PROGRESS, 0)}
+        try:
+            tree = self.manager.restore(step, target=target)
+        except IncompatibleCheckpointError as e:
+            raise IncompatibleCheckpointError(
+                f"AsyncCheckpoint: the model does not match checkpoint step {step} in {self.manager.store.url}; "
+                f"nothing was loaded. {e}\nFix: build and compile the same model (layer names and shapes, "
+                f"optimizer, metrics) before fit(), or start in a new directory.", e.mismatches) from None
+        values = tree["model"]
+        for group, variables in _variable_groups(model).items():
+            flat = _flatten(values[group])
+            paths = [_saved_path(model, group, v.path) for v in variables]
+            missing = [p for p in paths if p not in flat]
+            if missing:  # cannot happen after the manager's structural check; never assign partially
+                raise IncompatibleCheckpointError(f"{group}: no saved value for {missing}",
+                                                  [(f"{group}/{p}", "absent", "present") for p in missing])
+            for v, p in zip(variables, paths):
+                v.assign(flat[p])
+        self._resumed_metrics = _flatten(values["metrics_variables"])
+        p = tree["progress"]
+        epoch, batch, self._global_step = int(p["epoch"]), int(p["batch"]), int(p["global_step"])
+        self.best = None if p["best"] is None or math.isnan(p["best"]) else float(p["best"])
+        try:
+            host = self.manager.host_state(step) or {}
+        except IncompatibleCheckpointError as e:   # saved by another number of processes
+            log.warning("ckpt_callbacks: not restoring the host RNG / data state of step %d: %s", step, e)
+            host = {}
+        if host.get("rng"):
+            _set_rng_state(host["rng"])
+        if host.get("data") is not None and self.data not in (None, False) and not isinstance(self.data, ResumableDataset):
+            self.data.set_state(host["data"])
+        if batch and self.data is False:
+            log.warning("ckpt_callbacks: step %d was saved after batch %d of epoch %d; data=False, so that "
+                        "epoch restarts from its first batch", step, batch, epoch)
+            batch = 0
+        model._initial_epoch = epoch or None
+        self._set_initial_epoch = True
+        self._resume_at = (epoch, batch)
+        self.resumed_step, self.initial_epoch, self.initial_batch = step, epoch, batch
+        if self.verbose:
+            print(f"AsyncCheckpoint: resumed from step {step} in {self.manager.store.url}: epoch {epoch + 1}"
+                  + (f", after batch {batch}" if batch else ""), flush=True)
+
+    # -- hooks --------------------------------------------------------------------------------
+    def on_epoch_begin(self, epoch, logs=None):
+        skip = 0
+        if self._resume_at is not None and self._resume_at[0] == epoch:
+            skip = self._resume_at[1]
+        self._resume_at = None
+        self._epoch, self._batch, self._skip = epoch, skip, skip
+        if isinstance(self.data, ResumableDataset):
+            self.data.set_position(epoch, skip)
+        if skip:
+            # fit() reset the metrics before this hook: put back the running values of this epoch
+            for v in self.model.metrics_variables:
+                v.assign(self._resumed_metrics[v.path])
+            if isinstance(self.data, ResumableDataset):  # the shortened epoch ends by running out
+                self._warn_ctx = warnings.catch_warnings()
+                self._warn_ctx.__enter__()
+                warnings.filterwarnings("ignore", message=_RAN_OUT)
+        self._resumed_metrics = None
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if self._pending:
+            self._pending = False
+            self._save(self._epoch, self._batch, metrics=None)
+
+    def on_train_batch_end(self, batch, logs=None):
+        done = self._skip + int(batch) + 1
+        n = done - self._batch
+        self._global_step += n
+        self._batch = done
+        if self.save_freq != "epoch":
+            self._since_save += n
+            if self._since_save >= self.save_freq:
+                self._since_save, self._pending = 0, True
+
+    def on_epoch_end(self, epoch, logs=None):
+        self._exit_warn_ctx()
+        self._pending, self._since_save = False, 0
+        metrics = _numeric_logs(logs)
+        current = metrics.get(self.monitor)
+        if current is not None and self._mode is not None and not math.isnan(current):
+            better = self.best is None or (current < self.best if self._mode == "min" else current > self.best)
+            if better:
+                if self.verbose:
+                    print(f"AsyncCheckpoint: {self.monitor} improved from {self.best} to {current}", flush=True)
+                self.best = current
+        self._save(epoch + 1, 0, metrics=metrics)
+
+    def on_train_end(self, logs=None):
+        self._exit_warn_ctx()
+        if self._set_initial_epoch:
+            self.model._initial_epoch = None
+            self._set_initial_epoch = False
+        self._close(raise_errors=True)
+
+    # -- saving -------------------------------------------------------------------------------
+    def _save(self, epoch: int, batch: int, metrics) -> bool:
+        t0 = time.perf_counter()
+        model = self.model
+        model.jax_state_sync()   # mid-epoch, the live (to-be-donated) state is in model._jax_state
+        progress = {"epoch": int(epoch), "batch": int(batch), "global_step": int(self._global_step),
+                    "best": float("nan") if self.best is None else float(self.best), "version": 1}
+        host = {"rng": _rng_state()}
+        if self.data not in (None, False) and not isinstance(self.data, ResumableDataset):
+            host["data"] = self.data.get_state()
+        started = self.manager.save(self._global_step, {"model": _state_tree(model), "progress": progress},
+                                    metrics=metrics, host_state=host)
+        self.last_blocking_s = time.perf_counter() - t0
+        if started and self.verbose:
+            where = f"epoch {epoch + 1}, batch {batch}" if batch else f"end of epoch {epoch}"
+            print(f"AsyncCheckpoint: saving step {self._global_step} ({where}); "
+                  f"training blocked {self.last_blocking_s * 1e3:.1f} ms", flush=True)
+        return started
+
+    def wait_until_finished(self) -> None:
+        """Wait for the save in flight and its retention; re-raise its failure."""
+        if self.manager is not None:
+            self.manager.wait_until_finished()
+
+    def _exit_warn_ctx(self) -> None:
+        if self._warn_ctx is not None:
+            ctx, self._warn_ctx = self._warn_ctx, None
+            ctx.__exit__(None, None, None)
+
+    def _close(self, raise_errors: bool) -> None:
+        """Close the manager (kept as `self.manager` for queries such as `best_step()`)."""
+        if self.manager is None or not self._open:
+            return
+        self._open = False
+        try:
+            self.manager.close()
+        except Exception as e:  # noqa: BLE001
+            if raise_errors:
+                raise
+            log.warning("ckpt_callbacks: the previous fit()'s last save failed: %s", e)

@@ -1,0 +1,250 @@
+"""AsyncCheckpoint (ckpt_callbacks/keras.py) with real Keras 3 `model.fit` on the JAX backend.
+
+The interruption tests run tests/keras_train_script.py in subprocesses, SIGKILL it, re-run it
+unchanged and compare its final state bit for bit with a run that never had a checkpoint callback.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+os.environ.setdefault("KERAS_BACKEND", "jax")
+
+import jax  # noqa: E402
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+import ckpt_callbacks as cc  # noqa: E402
+from ckpt_callbacks.keras import AsyncCheckpoint  # noqa: E402
+from ckpt_callbacks.keras_data import ResumableDataset  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SCRIPT = os.path.join(HERE, "keras_train_script.py")
+ENV = {**os.environ, "KERAS_BACKEND": "jax", "JAX_PLATFORMS": "cpu"}
+ENV.pop("XLA_FLAGS", None)
+
+
+# -- helpers --------------------------------------------------------------------------------------
+def _script(out, *args):
+    return subprocess.Popen([sys.executable, SCRIPT, str(out), *args], env=ENV, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _finish(p, timeout=240):
+    out, err = p.communicate(timeout=timeout)
+    assert p.returncode == 0, err[-3000:]
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def _kill_when(p, ckdir, ready, timeout=240):
+    """SIGKILL `p` as soon as the committed steps in `ckdir` satisfy `ready`; return those steps."""
+    deadline = time.monotonic() + timeout
+    mngr = None
+    while time.monotonic() < deadline:
+        assert p.poll() is None, "the run finished before it could be interrupted: " + p.stderr.read()[-2000:]
+        if mngr is None and os.path.isdir(ckdir):
+            mngr = cc.CheckpointManager(ckdir, read_only=True)
+        steps = mngr.all_steps() if mngr else []
+        if ready(steps):
+            p.send_signal(signal.SIGKILL)
+            p.communicate()
+            assert p.returncode == -signal.SIGKILL
+            return steps
+        time.sleep(0.005)
+    p.kill()
+    raise AssertionError("timed out waiting for a checkpoint")
+
+
+def _assert_npz_equal(a, b):
+    a, b = np.load(a), np.load(b)
+    assert sorted(a.files) == sorted(b.files)
+    for k in a.files:
+        assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, k
+        assert a[k].tobytes() == b[k].tobytes(), f"{k} differs"
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory):
+    """Final states of uninterrupted runs without any checkpoint callback (both run at once)."""
+    d = tmp_path_factory.mktemp("ref")
+    procs = {kind: _script(d / f"{kind}.npz", "--data", kind, "--sleep", "0") for kind in ("numpy", "pydataset")}
+    return {kind: (d / f"{kind}.npz", _finish(p)) for kind, p in procs.items()}
+
+
+# -- interruption ---------------------------------------------------------------------------------
+def test_sigkill_after_an_epoch_resumes_bit_exact(tmp_path, references):
+    """numpy inputs with fit(shuffle=True) + Dropout: killed after epoch 2's checkpoint, re-run
+    unchanged: it resumes at the next epoch by itself (weights, Adam state incl. iteration, seed
+    generator, numpy's shuffle RNG) and ends bit-identical to a run without checkpointing."""
+    ck, args = str(tmp_path / "ck"), ["--data", "numpy", "--ckpt", str(tmp_path / "ck")]
+    steps = _kill_when(_script(tmp_path / "a.npz", *args), ck, lambda s: bool(s) and s[-1] >= 16)
+    assert all(s % 8 == 0 for s in steps)                 # epoch-end saves only (8 batches an epoch)
+    assert not (tmp_path / "a.npz").exists()
+    info = _finish(_script(tmp_path / "b.npz", *args))
+    assert info["resumed_step"] >= 16 and info["initial_batch"] == 0
+    assert info["initial_epoch"] == info["resumed_step"] // 8 and info["epochs_run"] == 6 - info["initial_epoch"]
+    ref_npz, ref_info = references["numpy"]
+    _assert_npz_equal(tmp_path / "b.npz", ref_npz)
+    assert info["last_logs"] == ref_info["last_logs"]
+
+
+def test_sigkill_mid_epoch_resumes_at_next_unseen_batch_bit_exact(tmp_path, references):
+    """save_freq=3 batches with a ResumableDataset (seeded shuffle): killed right after a mid-epoch
+    checkpoint, the re-run continues at the next unseen batch of that epoch, with that epoch's running
+    metrics, and ends bit-identical (state and last epoch's logs) to a run without checkpointing."""
+    ck = str(tmp_path / "ck")
+    args = ["--data", "pydataset", "--save-freq", "3", "--ckpt", ck]
+    _kill_when(_script(tmp_path / "a.npz", *args), ck, lambda s: any(x > 8 and x % 8 for x in s))
+    info = _finish(_script(tmp_path / "b.npz", *args))
+    assert info["initial_batch"] > 0, info               # resumed inside an epoch
+    assert info["resumed_step"] == 8 * info["initial_epoch"] + info["initial_batch"]
+    ref_npz, ref_info = references["pydataset"]
+    _assert_npz_equal(tmp_path / "b.npz", ref_npz)
+    assert info["last_logs"] == ref_info["last_logs"]
+
+
+# -- in-process: distribution, strictness, retention ----------------------------------------------
+def _model(units=16, extra=False, seed=0, clear=True):
+    if clear:   # same auto-generated names (seed generators); it also clears the distribution scope
+        keras.backend.clear_session()
+    keras.utils.set_random_seed(seed)
+    layers = [keras.Input((8,)), keras.layers.Dense(units, activation="relu", name="d1")]
+    if extra:
+        layers.append(keras.layers.Dense(units, name="d3"))
+    layers.append(keras.layers.Dense(1, name="d2"))
+    model = keras.Sequential(layers, name="net")
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse", metrics=["mae"])
+    return model
+
+
+def _data(n=64, flip_val=False):
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((n + 16, 8)).astype("float32")
+    y = (x @ rng.standard_normal((8, 1))).astype("float32")
+    if flip_val:
+        y[n:] = -y[n:]
+    return x[:n], y[:n], (x[n:], y[n:])
+
+
+def _state(model):
+    """path -> (value, sharding); the optimizer's auto-numbered name ("adam_1") written as "adam"."""
+    opt = model.optimizer.name
+    return {v.path.replace(opt + "/", "adam/", 1): (np.asarray(v.value), v.value.sharding) for v in
+            model.trainable_variables + model.non_trainable_variables + model.optimizer.variables}
+
+
+def test_model_parallel_save_and_resume_keeps_layouts(ckdir, devices):
+    """ModelParallel with a LayoutMap on 2x4 CPU devices: variables are saved sharded and a fresh model
+    resumes with every value bit-equal and every variable still on its own layout."""
+    mesh = keras.distribution.DeviceMesh((2, 4), ["batch", "model"], devices)
+    layout = keras.distribution.LayoutMap(mesh)
+    layout[".*/d1/kernel"] = (None, "model")
+    layout[".*/d1/bias"] = ("model",)
+    layout[".*/d2/kernel"] = ("model", None)
+    dist = keras.distribution.ModelParallel(layout_map=layout, batch_dim_name="batch")
+    x, y, val = _data()
+    keras.backend.clear_session()
+    with dist.scope():
+        a = _model(units=32, seed=1, clear=False)
+        a.fit(x, y, batch_size=16, epochs=2, validation_data=val, verbose=0, callbacks=[AsyncCheckpoint(ckdir)])
+        saved = _state(a)
+        kernel = a.get_layer("d1").kernel.value
+        assert not kernel.sharding.is_fully_replicated and kernel.addressable_shards[0].data.shape == (8, 8)
+        b = _model(units=32, seed=2, clear=False)
+        cb = AsyncCheckpoint(ckdir)
+        b.fit(x, y, batch_size=16, epochs=2, validation_data=val, verbose=0, callbacks=[cb])
+    assert cb.resumed_step == 8 and cb.initial_epoch == 2
+    got = _state(b)
+    assert got.keys() == saved.keys()
+    for path, (value, sharding) in saved.items():
+        assert got[path][0].tobytes() == value.tobytes(), path
+        assert got[path][1].is_equivalent_to(sharding, value.ndim), (path, got[path][1], sharding)
+    m = cc.CheckpointManager(ckdir, read_only=True).restore()   # the manifest kept the mesh layout
+    assert m["model"]["trainable_variables"]["net"]["d1"]["kernel"].shape == (8, 32)
+
+
+def test_mismatched_model_is_refused_and_nothing_is_loaded(ckdir):
+    x, y, val = _data()
+    _model().fit(x, y, batch_size=16, epochs=1, verbose=0, callbacks=[AsyncCheckpoint(ckdir)])
+    for other, expect in [(dict(units=12), ["d1']['kernel", "d1']['bias", "shape"]),
+                          (dict(extra=True), ["d3", "target has it: yes"])]:
+        model = _model(**other, seed=3)
+        model.build((None, 8))
+        model.optimizer.build(model.trainable_variables)
+        before = {v.path: np.asarray(v.value).copy() for v in model.trainable_variables}
+        with pytest.raises(cc.IncompatibleCheckpointError) as e:
+            model.fit(x, y, batch_size=16, epochs=2, verbose=0, callbacks=[AsyncCheckpoint(ckdir)])
+        msg = str(e.value)
+        assert "does not match checkpoint step 4" in msg and all(s in msg for s in expect), msg
+        assert e.value.mismatches
+        after = {v.path: np.asarray(v.value) for v in model.trainable_variables}
+        assert all(before[k].tobytes() == after[k].tobytes() for k in before)   # no partial load
+
+
+def test_keep_last_and_keep_best_on_val_loss_leave_exactly_the_expected_steps(ckdir):
+    """keep_last=2 + keep_best=1 on val_loss, validation only every 2nd epoch: the survivors are the two
+    newest steps plus the epoch-end step with the lowest val_loss; epochs without val_loss never rank."""
+    x, y, val = _data(flip_val=True)      # val targets negated: val_loss grows as the model learns
+    cb = AsyncCheckpoint(ckdir, keep_last=2, keep_best=1)
+    hist = _model().fit(x, y, batch_size=16, epochs=6, validation_data=val, validation_freq=2, verbose=0,
+                        callbacks=[cb])
+    val_loss = hist.history["val_loss"]          # epochs 2, 4, 6 -> steps 8, 16, 24
+    best = [8, 16, 24][int(np.argmin(val_loss))]
+    assert best not in (20, 24), "the data should make an early epoch best"
+    mngr = cc.CheckpointManager(ckdir, read_only=True, retention=cc.KeepBest("val_loss"))
+    assert mngr.all_steps() == sorted({20, 24, best})
+    assert cb.manager.best_step() == best == mngr.best_step()
+    assert "val_loss" not in mngr.metrics(20) and mngr.metrics(best)["val_loss"] == pytest.approx(min(val_loss))
+    assert cb.best == pytest.approx(min(val_loss))
+
+
+def test_resumable_dataset_order_skip_and_epochs():
+    class Idx(keras.utils.PyDataset):
+        def __len__(self):
+            return 10
+
+        def __getitem__(self, i):
+            return np.full((2, 1), i, "float32"), np.zeros((2, 1), "float32")
+
+    ds = ResumableDataset(Idx(), shuffle_seed=5)
+    order = ds.batch_order(3)
+    assert sorted(order) == list(range(10)) and list(order) != list(range(10))
+    ds.set_position(3, skip=4)
+    assert ds.num_batches == 6 and [int(ds[i][0][0, 0]) for i in range(6)] == list(order[4:])
+    with pytest.raises(IndexError):
+        ds[6]
+    ds.on_epoch_begin()
+    ds[0]
+    ds.on_epoch_end()          # Keras peeking at one batch is not an epoch
+    assert (ds.epoch, ds.num_batches) == (3, 6)
+    ds.on_epoch_begin()
+    [ds[i] for i in range(6)]
+    ds.on_epoch_end()          # a complete pass: the next epoch, from its first batch
+    assert (ds.epoch, ds.num_batches) == (4, 10)
+    with pytest.raises(cc.ConfigError):
+        ds.set_position(0, skip=11)
+
+
+def test_configuration_errors(ckdir):
+    with pytest.raises(cc.ConfigError, match="ResumableDataset"):
+        AsyncCheckpoint(ckdir, save_freq=10)
+    with pytest.raises(cc.ConfigError, match="save_freq"):
+        AsyncCheckpoint(ckdir, save_freq="batch")
+    with pytest.raises(cc.ConfigError, match="keep_last"):
+        AsyncCheckpoint(ckdir, keep_last=0)
+    x, y, _ = _data()
+    _model().fit(x, y, batch_size=16, epochs=1, verbose=0, callbacks=[AsyncCheckpoint(ckdir)])
+    with pytest.raises(cc.ConfigError, match="resume=False"):
+        _model().fit(x, y, batch_size=16, epochs=1, verbose=0, callbacks=[AsyncCheckpoint(ckdir, resume=False)])
+
+
+def test_other_backends_are_refused(tmp_path):
+    code = ("import ckpt_callbacks as cc\nfrom ckpt_callbacks.keras import AsyncCheckpoint\n"
+            "try:\n    AsyncCheckpoint('x')\nexcept cc.ConfigError as e:\n    print('refused:', e)\n")
+    out = subprocess.run([sys.executable, "-c", code], env={**ENV, "KERAS_BACKEND": "numpy"}, cwd=tmp_path,
+                         capture_output=True, text=True, timeout=120)
+    assert "refused: AsyncCheckpoint needs the JAX backend" in out.stdout and "'numpy'" in out.stdout, out.stderr
