@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -151,6 +152,7 @@ def launch(target: str, nprocs: int, *, devices_per_process: int = 4, args: dict
             r.error = ("timed out" if i not in reported_at else f"exited with code {p.returncode} "
                        f"without reporting")
         results.append(r)
+    shutil.rmtree(tmp, ignore_errors=True)
     return results
 
 
