@@ -87,7 +87,8 @@ def test_package_imports_without_orbax_or_pickle():
         "    importlib.import_module('ckpt_callbacks.' + mod.name)\n"
         "assert not [k for k in sys.modules if k.startswith('orbax')]\n"
         "print('ok')\n")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    env = {**os.environ, "KERAS_BACKEND": "jax"}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-2000:]
     src = os.path.dirname(cc.__file__)
     for name in os.listdir(src):
