@@ -18,19 +18,17 @@ import os
 import stat
 import sys
 
+import signal
+
+import grain
+import grain.python as gp
 import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
 
-jax.config.update("jax_num_cpu_devices", 2)
-jax.config.update("jax_platforms", "cpu")
-
-import grain  # noqa: E402
-import grain.python as gp  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-
-import ckpt_callbacks as cc  # noqa: E402
-from ckpt_callbacks.flax import CheckpointHook  # noqa: E402
+import ckpt_callbacks as cc
+from ckpt_callbacks.flax import CheckpointHook
 
 N_RECORDS, BATCH, DIM = 40, 4, 6
 
@@ -150,7 +148,30 @@ def _loop(args, hook, it, lockstep, step, train_one, current):
     print(f"done {step}", flush=True)
 
 
+def two_process_preemption(root: str) -> dict:
+    """Run by tests/multiproc.py in each of 2 `jax.distributed` processes: only process 1 gets
+    SIGTERM (after step 3); both must save step 4 together and stop there."""
+    it = grain_dataset_iter()
+    hook = CheckpointHook(root, every_steps=100)
+    state, step = hook.restore_or_init({"w": np.zeros(4, np.float32)}, data_iterator=it)
+    while step < 10:
+        batch = next(it)
+        state = {"w": state["w"] + batch["x"].sum(0)[:4]}
+        step += 1
+        hook(step, state)
+        if hook.should_stop:
+            break
+        if step == 3 and jax.process_index() == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+    hook.close()
+    m = hook.manager
+    return {"stopped": step, "steps": m.all_steps(), "host": m.host_state(step),
+            "w": [float(v) for v in m.restore(step)["w"]]}
+
+
 def main():
+    jax.config.update("jax_num_cpu_devices", 2)     # before any device is used
+    jax.config.update("jax_platforms", "cpu")
     ap = argparse.ArgumentParser()
     ap.add_argument("--framework", choices=["nnx", "linen"], required=True)
     ap.add_argument("--dir", required=True)

@@ -78,11 +78,14 @@ def test_sigkill_midrun_then_rerun_resumes_exactly(tmp_path, framework):
     from the latest committed step, and the final params, optimizer state, RNG, iterator position
     and every batch equal an uninterrupted run's, bit for bit."""
     ref_dir, ref_log = str(tmp_path / "ref"), str(tmp_path / "ref.jsonl")
-    _run_free(_cmd(framework, ref_dir, ref_log))
+    ref = subprocess.Popen(_cmd(framework, ref_dir, ref_log), stdin=subprocess.DEVNULL,
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)   # meanwhile
 
     d, log = str(tmp_path / "run"), str(tmp_path / "run.jsonl")
     cmd = _cmd(framework, d, log)
     p, lines = _run_lockstep(cmd, KILL_AT, signal.SIGKILL)
+    ref_out = ref.communicate(timeout=300)[0]
+    assert ref.returncode == 0, ref_out
     assert p.returncode == -signal.SIGKILL and lines[-1] == f"step {KILL_AT}", lines
     with cc.CheckpointManager(d, read_only=True) as m:
         committed = m.latest_step()
@@ -113,6 +116,16 @@ def test_sigterm_saves_the_step_reached_and_exits_cleanly(tmp_path):
     with cc.CheckpointManager(d, read_only=True) as m:
         assert m.all_steps() == [5, 8]
         assert m.host_state(8) == {"data_iterator": {"next_index": 8}}
+
+
+def test_sigterm_on_one_of_two_processes_stops_both_at_the_same_saved_step(tmp_path):
+    from multiproc import launch
+    res = launch("flax_train_script:two_process_preemption", 2, devices_per_process=2, timeout_s=240,
+                 args={"root": str(tmp_path / "ckpt")}).raise_if_failed()
+    a, b = res.values
+    assert a["stopped"] == b["stopped"] == 4              # process 1 was signalled after step 3
+    assert a["steps"] == b["steps"] == [4] and a["w"] == b["w"]
+    assert a["host"] == b["host"] == {"data_iterator": {"next_index": 4}}
 
 
 # -- in-process: a sharded NNX model -----------------------------------------------------------------
@@ -328,12 +341,13 @@ def test_docs_copy_paste_loops_run_and_resume(tmp_path, which):
     script = tmp_path / "loop.py"
     script.write_text(code)
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    outs = []
-    for _ in range(2):       # the second run finds step 30 committed and does nothing more
+    p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=env)
+    assert p.returncode == 0, p.stdout + p.stderr
+    outs = [p.stdout]
+    assert "starting at step 0" in outs[0]
+    if which == "nnx":       # the same script run again finds step 30 committed: nothing to do
         p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=env)
-        assert p.returncode == 0, p.stdout + p.stderr
-        outs.append(p.stdout)
-    assert "starting at step 0" in outs[0] and "starting at step 30" in outs[1]
+        assert p.returncode == 0 and "starting at step 30" in p.stdout, p.stdout + p.stderr
     kept = [line for line in outs[0].splitlines() if "kept:" in line][0]
     if which == "nnx":   # eval steps 5, 10, ..., 30 are saved: KeepLast(2) keeps 25 and 30, plus the best
         with cc.CheckpointManager(d, read_only=True, retention=cc.KeepBest("val_loss", "min")) as m:
