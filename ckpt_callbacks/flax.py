@@ -174,7 +174,7 @@ class CheckpointHook:
         self._watcher = PreemptionWatcher(preemption_signals) if preemption_signals else None
 
     # -- start ------------------------------------------------------------------------------------
-    def restore_or_init(self, state, data_iterator=None):
+    def restore_or_init(self, state, data_iterator=None, *, iterator_remap=None):
         """Return ``(state, start_step)``: the latest committed checkpoint applied to `state`, or
         ``(state, 0)`` when there is none.
 
@@ -182,7 +182,10 @@ class CheckpointHook:
         dtypes to restore onto (a different mesh than at save time is fine). NNX objects are
         updated in place and returned; other pytrees come back as a new tree. The data iterator's
         position is restored too (this process's own state). Call it once, before the loop, on
-        every process.
+        every process. Resuming on a different process count needs `iterator_remap` to say which
+        saved iterator state each process takes: ``{this_process: saved_process}`` or
+        ``fn(saved: dict[int, host_state], process_index, process_count) -> host_state`` (see
+        `CheckpointManager.host_state`; a host state is ``{"data_iterator": it.get_state()}``).
         """
         self._check_open()
         if data_iterator is not None:
@@ -193,7 +196,12 @@ class CheckpointHook:
             return state, 0
         restored = self.manager.restore(step, target=state_tree(state))
         if self.data_iterator is not None:
-            hs = self.manager.host_state(step)
+            try:
+                hs = self.manager.host_state(step, remap=iterator_remap)
+            except IncompatibleCheckpointError as e:
+                raise IncompatibleCheckpointError(
+                    f"{e}\nWith CheckpointHook: pass restore_or_init(..., iterator_remap=...) with that "
+                    f"mapping, or data_iterator=None to restart the data pipeline.", e.mismatches) from None
             if not isinstance(hs, dict) or _ITER_KEY not in hs:
                 raise IncompatibleCheckpointError(
                     f"step {step} in {self.manager.store.url} holds no data-iterator state for process "
@@ -293,6 +301,8 @@ class CheckpointHook:
         return preempted, timer
 
     def _stop(self, step) -> None:
+        if self._watcher is not None:       # handled: a loop that goes on saves on schedule again
+            self._watcher.requested = False
         self.manager.wait_until_finished()
         saved = self.manager.latest_step()
         self.should_stop = True

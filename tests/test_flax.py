@@ -261,6 +261,7 @@ def test_sigterm_in_process_saves_off_schedule_and_restores_handler(ckdir):
         hook(2, _tree(2))
     assert e.value.step == 2 and hook.should_stop
     assert hook.manager.all_steps() == [2]       # committed before the exception
+    assert hook(3, _tree(3)) is False             # handled once: a loop that goes on is not re-saved
     hook.close()
     assert signal.getsignal(signal.SIGTERM) == before
     assert_tree_equal(cc.CheckpointManager(ckdir, read_only=True).restore(2), _tree(2))
