@@ -295,13 +295,13 @@ def verify_step(store, step: int, progress=None, window: int = 16) -> list[tuple
 def _drain(item, rec, where, itemsize, progress):
     from .errors import CorruptCheckpointError
     idx, sl, fut = item
+    if progress:
+        progress.add(math.prod(s.stop - s.start for s in sl) * itemsize, where)
     try:
         fut.result()
     except Exception as e:
         raise CorruptCheckpointError(f"{where}: chunk {list(idx)} of {rec['z']} is damaged or missing: "
                                      f"{str(e)[:200]}", where) from None
-    if progress:
-        progress.add(math.prod(s.stop - s.start for s in sl) * itemsize, where)
 
 
 def cmd_verify(args, store, out) -> int:
@@ -325,7 +325,7 @@ def cmd_verify(args, store, out) -> int:
         if s in bad:
             out.write(f"step {s}: DAMAGED, {len(bad[s])} leaf/leaves:\n")
             for where, msg in bad[s]:
-                out.write(f"  {where}: {msg}\n")
+                out.write(f"  {msg}\n" if msg.startswith(where) else f"  {where}: {msg}\n")
         else:
             out.write(f"step {s}: ok\n")
     if bad:

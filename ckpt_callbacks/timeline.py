@@ -177,7 +177,8 @@ def render_svg(records, *, width: int = 960) -> str:
     height = ly + 17 * len(PHASES)
     return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
             f'viewBox="0 0 {width} {height}" font-family="sans-serif" role="img" '
-            f'aria-label="checkpoint save timeline">' + "".join(parts) + "</svg>")
+            f'aria-label="checkpoint save timeline"><rect width="{width}" height="{height}" fill="#fff"/>'
+            + "".join(parts) + "</svg>")
 
 
 def _table(recs) -> str:
