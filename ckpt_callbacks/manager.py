@@ -36,7 +36,7 @@ import time
 import msgpack
 
 from . import coordination, lock, restore as restore_mod, snapshot
-from .errors import CheckpointError, CheckpointNotFoundError, ConfigError, IncompatibleCheckpointError
+from .errors import CheckpointError, CheckpointNotFoundError, ConfigError, CorruptCheckpointError, IncompatibleCheckpointError
 from .retention import StepInfo, as_policies, best_policy, decide
 from .storage import open_store
 from .writing import SaveStats, write_and_commit
@@ -96,6 +96,7 @@ class CheckpointManager:
         self._nsaves = self._nrestores = 0
         self.history: list[SaveStats] = []
         self._infos: dict[int, StepInfo] = {}
+        self.restored_step: int | None = None   # the step the last restore() read
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._closed = False
@@ -280,11 +281,15 @@ class CheckpointManager:
         ranked = p.rank(self._step_infos())
         return ranked[0] if ranked else None
 
-    def restore(self, step: int | None = None, target=None):
+    def restore(self, step: int | None = None, target=None, *, fallback: bool = False):
         """Restore `step` (latest committed when None) onto `target` (see `ckpt_callbacks.restore`).
 
         With several processes and ``step=None``, process 0 picks the latest step and tells the
         others, so every process restores the same step even while a save commits concurrently.
+
+        A damaged step raises `CorruptCheckpointError` (it stays listed). With ``fallback=True``
+        and ``step=None``, a damaged step is skipped with a warning and the next older committed
+        step is tried (every process moves together); `restored_step` says which step was read.
         """
         if step is None and self.coord.process_count > 1 and not self.read_only:
             self._nrestores += 1
@@ -292,8 +297,33 @@ class CheckpointManager:
             step = msgpack.unpackb(self.coord.broadcast(f"restore/{self._nrestores}/latest", mine, self.timeout_s))
             if step is None:
                 raise CheckpointNotFoundError(f"no committed checkpoint in {self.store.url}")
-        step = self._resolve(step)
-        return restore_mod.restore(self.store, step, target)
+        elif step is None:
+            step = self._resolve(None)
+        else:
+            step = self._resolve(step)
+            fallback = False
+        candidates = [s for s in self.all_steps() if s <= step][::-1] if fallback else [step]
+        for i, s in enumerate(candidates):
+            error = None
+            try:
+                tree = restore_mod.restore(self.store, s, target)
+            except CorruptCheckpointError as e:
+                if not fallback:
+                    raise
+                error = e
+            if fallback and self.coord.process_count > 1:
+                self._nrestores += 1
+                oks = self.coord.all_gather(f"restore/{self._nrestores}/ok", b"1" if error is None else b"0",
+                                            self.timeout_s)
+                if error is None and b"0" in oks:
+                    error = CorruptCheckpointError(f"step {s} is damaged on another process")
+            if error is None:
+                self.restored_step = s
+                return tree
+            nxt = candidates[i + 1] if i + 1 < len(candidates) else None
+            log.warning("ckpt_callbacks: step %d in %s is damaged (%s); %s", s, self.store.url, error,
+                        f"falling back to step {nxt}" if nxt is not None else "no older step to fall back to")
+        raise CorruptCheckpointError(f"every committed step up to {step} in {self.store.url} is damaged")
 
     def host_state(self, step: int | None = None, process_index: int | None = None, *, remap=None):
         """This process's host state saved with `step` (None if none was saved).

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 
 import jax
 import msgpack
@@ -93,10 +94,29 @@ class leaf_reader:
             arr = ts.open(spec).result()
         except Exception as e:
             raise CorruptCheckpointError(f"{where}: cannot open array {rec['z']}: {str(e)[:300]}", where) from None
-        if list(arr.shape) != rec["sh"] or arr.dtype.numpy_dtype != np.dtype(fmt.storage_dtype(rec["dt"])):
-            raise CorruptCheckpointError(f"{where}: array metadata {list(arr.shape)} {arr.dtype} disagrees "
-                                         f"with the manifest {rec['sh']} {rec['dt']}", where)
+        chunks = list(arr.chunk_layout.read_chunk.shape)
+        if (list(arr.shape) != rec["sh"] or arr.dtype.numpy_dtype != np.dtype(fmt.storage_dtype(rec["dt"]))
+                or chunks != rec["ch"]):
+            raise CorruptCheckpointError(f"{where}: array metadata {list(arr.shape)} {arr.dtype} chunks {chunks} "
+                                         f"disagrees with the manifest {rec['sh']} {rec['dt']} {rec['ch']}", where)
+        self._check_backing(rec, where)
         return arr
+
+    def _check_backing(self, rec: dict, where: str) -> None:
+        """Refuse arrays whose stored chunks cannot hold the declared shape, before allocating."""
+        kv = ts.KvStore.open(self.store.kvstore(f"{self.base}/{rec['z']}")).result()
+        keys = [k for k in kv.list().result() if k.startswith(b"c/")]
+        need = math.prod(-(-n // c) for n, c in zip(rec["sh"], rec["ch"])) if rec["sh"] else 1
+        chunk_bytes = math.prod(rec["ch"]) * np.dtype(fmt.storage_dtype(rec["dt"])).itemsize
+        stored = None
+        if self.store.local:
+            root = os.path.join(self.store.path(f"{self.base}/{rec['z']}"))
+            stored = sum(os.path.getsize(os.path.join(root, k.decode())) for k in keys)
+        if len(keys) != need or (stored is not None and stored < need * chunk_bytes):
+            raise CorruptCheckpointError(
+                f"{where}: {rec['z']} declares {rec['sh']} ({need} chunks, {need * chunk_bytes} bytes) but holds "
+                f"{len(keys)} chunk files{'' if stored is None else f' ({stored} bytes)'}: missing or truncated data",
+                where)
 
     def read_box(self, rec: dict, box, arr=None) -> np.ndarray:
         where = treepath.keystr(tuple(map(tuple, rec["p"])))

@@ -1,0 +1,183 @@
+"""Reliability and security: disk full, read-only directories, hostile checkpoints, corrupt newest
+step on resume. (Crash trials live in test_crash.py; damaged chunks in test_restore.py.)"""
+
+import logging
+import os
+import pickle  # test-only: we craft pickle payloads to prove they are never executed
+import shutil
+import subprocess
+
+import msgpack
+import numpy as np
+import pytest
+
+import ckpt_callbacks as cc
+from ckpt_callbacks import format as fmt
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    """A 6 MiB tmpfs of its own (skipped where this machine forbids mounting)."""
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=6m", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+    yield str(mnt)
+    subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_disk_full_fails_cleanly_and_recovers(small_fs):
+    d = os.path.join(small_fs, "ck")
+    keep = {"w": np.arange(300_000, dtype=np.float32)}               # 1.2 MiB
+    with cc.CheckpointManager(d) as m:
+        m.save(1, keep)
+        m.wait_until_finished()
+        filler = os.path.join(small_fs, "filler")
+        with open(filler, "wb") as f:
+            f.write(b"\0" * (3 << 20))
+        m.save(2, {"w": np.ones((1024, 1024), np.float32)})        # 4 MiB: does not fit
+        with pytest.raises(cc.CheckpointSaveError, match="[Nn]o space|ENOSPC|RESOURCE_EXHAUSTED|space"):
+            m.wait_until_finished()
+        assert m.all_steps() == [1]
+        assert not [n for n in os.listdir(d) if ".tmp-" in n]       # staging removed
+        np.testing.assert_array_equal(m.restore(1)["w"], keep["w"])
+        os.remove(filler)
+        m.save(3, {"w": np.ones((1024, 1024), np.float32)})
+        m.wait_until_finished()
+        assert m.all_steps() == [1, 3]
+
+
+def test_read_only_directory_fails_at_start(small_fs):
+    d = os.path.join(small_fs, "ck")
+    with cc.CheckpointManager(d) as m:
+        m.save(1, {"a": 1})
+    subprocess.run(["mount", "-o", "remount,ro", small_fs], check=True)
+    with pytest.raises(cc.CheckpointError, match="not writable"):
+        cc.CheckpointManager(d)
+    assert cc.CheckpointManager(d, read_only=True).restore() == {"a": 1}   # reading still works
+
+
+def _write_manifest(d, step, body):
+    path = os.path.join(d, fmt.step_name(step), fmt.MANIFEST)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "wb") as f:
+        f.write(body)
+
+
+def test_escaping_keys_are_only_names(ckdir, tmp_path):
+    tree = {"../../escape": np.ones(3), "/etc/passwd": 1, "a/../../b": {"..": np.zeros(2)}}
+    with cc.CheckpointManager(ckdir) as m:
+        m.save(1, tree)
+    before = sorted(os.listdir(tmp_path))
+    out = cc.CheckpointManager(ckdir, read_only=True).restore()
+    assert sorted(out) == sorted(tree) and sorted(os.listdir(tmp_path)) == before
+    for dirpath, _, files in os.walk(ckdir):
+        assert os.path.realpath(dirpath).startswith(os.path.realpath(ckdir))
+
+
+def _golden_manifest(ckdir, **leaf_changes):
+    with cc.CheckpointManager(ckdir) as m:
+        m.save(1, {"w": np.ones((600, 600), np.float32), "s": np.ones(4, np.float32)})
+    path = os.path.join(ckdir, fmt.step_name(1), fmt.MANIFEST)
+    m = fmt.unpack_manifest(open(path, "rb").read())
+    return m, path
+
+
+def test_declared_shape_beyond_stored_bytes_is_refused_before_allocating(ckdir):
+    m, path = _golden_manifest(ckdir)
+    big = next(l for l in m["leaves"] if l["k"] == "array")
+    zarr_json = os.path.join(ckdir, fmt.step_name(1), big["z"], "zarr.json")
+    import json
+    meta = json.load(open(zarr_json))
+    meta["shape"] = [600 * 2**10, 600 * 2**8]                     # ~377 GB of float32
+    json.dump(meta, open(zarr_json, "w"))
+    big["sh"] = meta["shape"]
+    open(path, "wb").write(fmt.pack_manifest(m))
+    with pytest.raises(cc.CorruptCheckpointError, match=r"\['w'\].*declares"):
+        cc.CheckpointManager(ckdir, read_only=True).restore()
+    small = next(l for l in m["leaves"] if l["k"] == "packed")
+    big["sh"] = [600, 600]
+    small["sh"] = [2**30]
+    open(path, "wb").write(fmt.pack_manifest(m))
+    with pytest.raises(cc.CorruptCheckpointError, match=r"\['s'\]"):
+        cc.CheckpointManager(ckdir, read_only=True).restore()
+
+
+@pytest.mark.parametrize("bomb", ["deep", "long", "ext", "huge_str"])
+def test_msgpack_bombs_are_rejected(ckdir, bomb):
+    os.makedirs(ckdir)
+    if bomb == "deep":
+        body = b"\x91" * 100_000 + b"\xc0"                         # 100k nested one-element arrays
+    elif bomb == "long":
+        body = b"\xdd\xff\xff\xff\xff"                              # array claiming 4 billion items
+    elif bomb == "ext":
+        body = msgpack.packb(msgpack.ExtType(1, b"x" * 10))
+    else:
+        body = b"\xdb\xff\xff\xff\xf0" + b"a" * 10                  # str claiming 4 GiB
+    outer = msgpack.packb({"magic": "ckpt_callbacks", "version": 1, "crc32c": fmt.crc32c(body), "body": body})
+    _write_manifest(ckdir, 1, outer)
+    with pytest.raises(cc.CorruptCheckpointError):
+        cc.CheckpointManager(ckdir, read_only=True).restore()
+    _write_manifest(ckdir, 1, body)
+    with pytest.raises(cc.CorruptCheckpointError):
+        cc.CheckpointManager(ckdir, read_only=True).restore()
+
+
+class Evil:
+    def __reduce__(self):
+        return (os.system, (f"touch {EVIL_MARK}",))
+
+
+EVIL_MARK = "/tmp/ckpt_callbacks_pwned"
+
+
+def test_pickle_payloads_never_run(ckdir):
+    if os.path.exists(EVIL_MARK):
+        os.remove(EVIL_MARK)
+    payload = pickle.dumps(Evil())
+    m, path = _golden_manifest(ckdir)
+    # as the manifest itself
+    shutil.copy(path, path + ".orig")
+    open(path, "wb").write(payload)
+    with pytest.raises(cc.CorruptCheckpointError):
+        cc.CheckpointManager(ckdir, read_only=True).restore()
+    shutil.copy(path + ".orig", path)
+    os.remove(path + ".orig")
+    # as a packed blob
+    small = next(l for l in m["leaves"] if l["k"] == "packed")
+    open(os.path.join(ckdir, fmt.step_name(1), small["b"]), "wb").write(payload)
+    with pytest.raises(cc.CorruptCheckpointError, match=r"\['s'\]"):
+        cc.CheckpointManager(ckdir, read_only=True).restore()
+    # as a bytes value: handed back as bytes, never loaded
+    with cc.CheckpointManager(ckdir) as mm:
+        mm.save(2, {"blob": payload})
+    assert cc.CheckpointManager(ckdir, read_only=True).restore(2) == {"blob": payload}
+    assert not os.path.exists(EVIL_MARK)
+
+
+def test_unknown_dtype_is_refused(ckdir):
+    m, path = _golden_manifest(ckdir)
+    m["leaves"][0]["dt"] = "float128x"
+    open(path, "wb").write(fmt.pack_manifest(m))
+    with pytest.raises(cc.IncompatibleCheckpointError, match="unknown dtype 'float128x'"):
+        cc.CheckpointManager(ckdir, read_only=True).restore()
+
+
+def test_corrupt_newest_step_fallback_is_explicit_and_logged(ckdir, caplog):
+    with cc.CheckpointManager(ckdir) as m:
+        for s in (1, 2, 3):
+            m.save(s, {"x": np.full(4, s)})
+    man = os.path.join(ckdir, fmt.step_name(3), fmt.MANIFEST)
+    open(man, "wb").write(b"garbage")
+    m = cc.CheckpointManager(ckdir)
+    assert m.all_steps() == [1, 2, 3]                    # a damaged step stays listed
+    with pytest.raises(cc.CorruptCheckpointError):
+        m.restore()                                      # never silently
+    with caplog.at_level(logging.WARNING, "ckpt_callbacks"):
+        out = m.restore(fallback=True)
+    assert m.restored_step == 2 and out["x"][0] == 2
+    assert "step 3" in caplog.text and "falling back to step 2" in caplog.text
+    with pytest.raises(cc.CorruptCheckpointError):
+        m.restore(step=3, fallback=True)                 # an explicit step never falls back
+    m.close()
