@@ -16,9 +16,11 @@ first; then, per leaf, each process reads the bounding box of the target shards 
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import math
 import os
+import threading
 
 import jax
 import msgpack
@@ -56,8 +58,13 @@ class leaf_reader:
         self.store, self.step, self.m = store, step, manifest
         self.base = fmt.step_name(step)
         self._blobs: dict = {}
+        self._lock = threading.Lock()   # leaves are restored from several threads
 
     def _blob(self, rel: str, where: str) -> list:
+        with self._lock:
+            return self._load_blob(rel, where)
+
+    def _load_blob(self, rel: str, where: str) -> list:
         if rel not in self._blobs:
             try:
                 data = self.store.read(f"{self.base}/{rel}")
@@ -185,7 +192,7 @@ def restore(store: Store, step: int, target=None, *, manifest: dict | None = Non
     recs = m["leaves"]
     reader = leaf_reader(store, step, m)
     if target is None:
-        leaves = [_restore_leaf(reader, rec, None) for rec in recs]
+        leaves = _map(lambda rec: _restore_leaf(reader, rec, None), recs)
         return treepath.rebuild(m["tree"], leaves)
     flat = treepath.flatten(target)
     order = treepath.match([r["p"] for r in recs], flat.paths)
@@ -196,9 +203,17 @@ def restore(store: Store, step: int, target=None, *, manifest: dict | None = Non
         raise IncompatibleCheckpointError(
             f"step {step}: {len(problems)} leaf/leaves differ in shape or dtype:\n{lines}\n"
             f"Fix: restore onto a target built like the saved state, or pass target=None.", problems)
-    leaves = [_restore_leaf(reader, recs[i], t) for i, t in zip(order, flat.leaves)]
+    leaves = _map(lambda it: _restore_leaf(reader, recs[it[0]], it[1]), list(zip(order, flat.leaves)))
     treedef = jax.tree_util.tree_structure(target, is_leaf=lambda x: x is None)
     return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def _map(fn, items: list) -> list:
+    """`fn` over items on a few threads: tensorstore reads and device transfers overlap."""
+    if len(items) < 2:
+        return [fn(x) for x in items]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=min(8, len(items))) as pool:
+        return list(pool.map(fn, items))
 
 
 def _restore_leaf(reader: leaf_reader, rec: dict, t):
@@ -223,6 +238,8 @@ def _restore_leaf(reader: leaf_reader, rec: dict, t):
     else:
         bbox = layout.bounding(boxes)
         host = reader.read_box(rec, bbox)
+        if bbox == full and sharding.is_fully_addressable:
+            return jax.device_put(host, sharding)
 
     def cb(index):
         b = layout.box_of(index, shape)
