@@ -214,96 +214,6 @@ def cmd_inspect(args, store, out) -> int:
 
 
 # -- verify ----------------------------------------------------------------------------------
-class _Progress:
-    """A byte-counting progress bar on stderr (redrawn at most 10 times a second)."""
-
-    def __init__(self, total: int, stream, enabled: bool):
-        self.total, self.done, self.stream, self.enabled = max(total, 1), 0, stream, enabled
-        self.t0 = self.last = time.monotonic()
-
-    def add(self, n: int, label: str = "", force: bool = False) -> None:
-        self.done += n
-        now = time.monotonic()
-        if not self.enabled or (now - self.last < 0.1 and not force):
-            return
-        self.last = now
-        frac = min(1.0, self.done / self.total)
-        bar = "#" * int(frac * 30)
-        rate = self.done / max(now - self.t0, 1e-6)
-        self.stream.write(f"\rverify [{bar:<30}] {frac * 100:5.1f}% {_human(self.done)}/{_human(self.total)} "
-                          f"{_human(rate)}/s {label[:40]:<40}")
-        self.stream.flush()
-
-    def close(self) -> None:
-        if self.enabled:
-            self.add(0, "done", force=True)
-            self.stream.write("\n")
-            self.stream.flush()
-
-
-def _chunks(shape, chunks):
-    import itertools
-    grid = [range(-(-d // c)) for d, c in zip(shape, chunks)]
-    for idx in itertools.product(*grid):
-        yield idx, tuple(slice(i * c, min((i + 1) * c, d)) for i, c, d in zip(idx, chunks, shape))
-
-
-def verify_step(store, step: int, progress=None, window: int = 16) -> list[tuple[str, str]]:
-    """Read every leaf and host-state blob of `step`, checking every checksum.
-
-    Returns ``[(key path or file, problem)]``; empty when the step is intact.
-    """
-    import numpy as np
-    from . import format as fmt, treepath
-    from .errors import CheckpointError
-    from .restore import leaf_reader, read_host_state, read_manifest
-    try:
-        m = read_manifest(store, step)
-    except CheckpointError as e:
-        return [(fmt.MANIFEST, str(e))]
-    reader = leaf_reader(store, step, m)
-    damaged = []
-    for rec in m["leaves"]:
-        where = treepath.keystr(tuple(map(tuple, rec["p"])))
-        if rec["k"] not in ("array", "packed"):
-            continue
-        itemsize = np.dtype(fmt.logical_dtype(rec["dt"])).itemsize
-        try:
-            if rec["k"] == "packed":
-                reader.packed(rec)
-                if progress:
-                    progress.add(math.prod(rec["sh"]) * itemsize, where)
-                continue
-            arr = reader.array(rec)
-            pending = []
-            for idx, sl in _chunks(rec["sh"], rec["ch"]):
-                pending.append((idx, sl, arr[sl].read()))
-                if len(pending) >= window:
-                    _drain(pending.pop(0), rec, where, itemsize, progress)
-            while pending:
-                _drain(pending.pop(0), rec, where, itemsize, progress)
-        except CheckpointError as e:
-            damaged.append((where, str(e)))
-    for p in sorted((m.get("host") or {})):
-        try:
-            read_host_state(store, step, m, p)
-        except CheckpointError as e:
-            damaged.append((f"host state of process {p}", str(e)))
-    return damaged
-
-
-def _drain(item, rec, where, itemsize, progress):
-    from .errors import CorruptCheckpointError
-    idx, sl, fut = item
-    if progress:
-        progress.add(math.prod(s.stop - s.start for s in sl) * itemsize, where)
-    try:
-        fut.result()
-    except Exception as e:
-        raise CorruptCheckpointError(f"{where}: chunk {list(idx)} of {rec['z']} is damaged or missing: "
-                                     f"{str(e)[:200]}", where) from None
-
-
 def cmd_verify(args, store, out) -> int:
     from .restore import read_manifest
     from .errors import CheckpointError
@@ -314,7 +224,8 @@ def cmd_verify(args, store, out) -> int:
             total += int(read_manifest(store, s).get("bytes", 0))
         except CheckpointError:
             pass
-    progress = _Progress(total, sys.stderr, not args.quiet)
+    from .verify import Progress, verify_step
+    progress = Progress(total, sys.stderr, not args.quiet)
     bad = {}
     for s in steps:
         d = verify_step(store, s, progress)

@@ -111,8 +111,12 @@ class leaf_reader:
 
     def _check_backing(self, rec: dict, where: str) -> None:
         """Refuse arrays whose stored chunks cannot hold the declared shape, before allocating."""
-        kv = ts.KvStore.open(self.store.kvstore(f"{self.base}/{rec['z']}")).result()
-        keys = [k for k in kv.list().result() if k.startswith(b"c/")]
+        if self.store.local:
+            kv = ts.KvStore.open(self.store.kvstore(f"{self.base}/{rec['z']}")).result()
+            keys = [k for k in kv.list().result() if k.startswith(b"c/")]
+        else:  # list from the store's root: listing a sub-path gcs kvstore aborts tensorstore (std::out_of_range)
+            base = f"{self.base}/{rec['z']}/"
+            keys = [k[len(base):].encode() for k in self.store._list(base + "c/")]
         need = math.prod(-(-n // c) for n, c in zip(rec["sh"], rec["ch"])) if rec["sh"] else 1
         chunk_bytes = math.prod(rec["ch"]) * np.dtype(fmt.storage_dtype(rec["dt"])).itemsize
         stored = None
