@@ -207,6 +207,33 @@ def plan(tree, *, budget: ByteBudget | None = None, coord: Coordinator | None = 
     return snap
 
 
+@jax.jit
+def _device_copy(x):
+    return x.copy()
+
+
+def _whole_copies(snap: Snapshot, sources, budget) -> dict:
+    """Leaves whose every addressable shard is unique and written here: one jitted on-device copy
+    each, dispatched asynchronously (the runtime orders it before any later donation of `x`).
+    Returns leaf -> {box: single-device array}."""
+    mine: dict = {}
+    for i, b, _, nbytes in snap._boxes:
+        mine.setdefault(i, []).append((b, nbytes))
+    out = {}
+    for i, boxes in mine.items():
+        x = sources[i]
+        if not isinstance(x, jax.Array):
+            continue
+        shards = {layout.box_of(s.index, x.shape): s.device for s in x.addressable_shards}
+        if len(shards) != len(x.addressable_shards) or sorted(shards) != sorted(b for b, _ in boxes):
+            continue  # replicated somewhere, or split into pieces: copied shard by shard instead
+        if budget:
+            budget.acquire(sum(n for _, n in boxes))
+        c = _device_copy(x)
+        out[i] = {layout.box_of(s.index, x.shape): s.data for s in c.addressable_shards}
+    return out
+
+
 def copy(snap: Snapshot, emit, budget: ByteBudget | None = None) -> None:
     """Copy every leaf this process writes, in order, handing each copy to `emit`.
 
@@ -221,8 +248,12 @@ def copy(snap: Snapshot, emit, budget: ByteBudget | None = None) -> None:
             if budget:
                 budget.acquire(arr.nbytes)
             emit(("packed", i, arr))
+    whole = _whole_copies(snap, sources, budget)
     for i, b, devs, nbytes in snap._boxes:
         x = sources[i]
+        if i in whole:  # copied on device as a whole already (its bytes reserved there too)
+            emit(("array", ArrayWrite(i, b, whole[i].pop(b), nbytes)))
+            continue
         if budget:
             budget.acquire(nbytes)
         if isinstance(x, jax.Array):
