@@ -1,0 +1,62 @@
+"""Shard and chunk arithmetic (pure functions), property-tested."""
+
+import math
+
+import jax
+import numpy as np
+from hypothesis import given, settings, strategies as st
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from ckpt_callbacks import layout
+
+dims = st.lists(st.integers(1, 300), min_size=1, max_size=4)
+
+
+@settings(max_examples=300, deadline=None)
+@given(shard=dims, itemsize=st.sampled_from([1, 2, 4, 8]), cap=st.integers(1, 1 << 20))
+def test_chunks_tile_the_shard_exactly_and_respect_the_cap_when_possible(shard, itemsize, cap):
+    c = layout.chunk_shape(shard, itemsize, cap)
+    assert len(c) == len(shard)
+    assert all(s % k == 0 for s, k in zip(shard, c))                 # aligned: whole chunks per shard
+    if math.prod(shard) * itemsize <= cap:
+        assert tuple(c) == tuple(shard)                              # no split when it fits
+    elif itemsize <= cap:
+        # over the cap only when no exact divisor brings it under (e.g. prime dimensions)
+        assert math.prod(c) * itemsize <= cap or any(k > 1 for k in c)
+
+
+@settings(max_examples=200, deadline=None)
+@given(items=st.lists(st.tuples(st.integers(0, 10**6), st.lists(st.integers(0, 3), min_size=1, max_size=4)),
+                      max_size=30))
+def test_assign_picks_a_holder_deterministically(items):
+    a = layout.assign(items, 4)
+    assert a == layout.assign(list(items), 4)
+    assert all(w in holders for w, (_, holders) in zip(a, items))
+
+
+def test_assign_spreads_replicated_bytes():
+    items = [(100, [0, 1, 2, 3])] * 40
+    a = layout.assign(items, 4)
+    assert sorted(a.count(p) for p in range(4)) == [10, 10, 10, 10]
+
+
+@settings(max_examples=100, deadline=None)
+@given(a=st.sampled_from([1, 2, 4, 8]), spec=st.sampled_from([P("x", "y"), P("y", "x"), P("x"), P(None, "y"), P()]),
+       m=st.integers(1, 5), n=st.integers(1, 5))
+def test_unique_boxes_partition_the_array(a, spec, m, n):
+    devs = np.array(jax.devices()).reshape(a, 8 // a)
+    sh = NamedSharding(Mesh(devs, ("x", "y")), spec)
+    shape = (8 * m, 8 * n)
+    boxes = layout.unique_boxes(sh, shape)
+    cover = np.zeros(shape, np.int32)
+    for b, holders in boxes:
+        cover[tuple(slice(lo, hi) for lo, hi in b)] += 1
+        assert holders == sorted(holders, key=lambda d: d.id)
+    assert (cover == 1).all()                                         # disjoint and complete
+    assert sum(len(h) for _, h in boxes) == 8                          # every device holds one
+
+
+def test_intersect_and_bounding():
+    assert layout.intersect(((0, 4), (0, 4)), ((2, 6), (3, 9))) == ((2, 4), (3, 4))
+    assert layout.intersect(((0, 4),), ((4, 6),)) is None
+    assert layout.bounding([((0, 2), (4, 6)), ((2, 4), (0, 2))]) == ((0, 4), (0, 6))
