@@ -137,15 +137,19 @@ def _state(model):
             model.trainable_variables + model.non_trainable_variables + model.optimizer.variables}
 
 
-def test_model_parallel_save_and_resume_keeps_layouts(ckdir, devices):
-    """ModelParallel with a LayoutMap on 2x4 CPU devices: variables are saved sharded and a fresh model
-    resumes with every value bit-equal and every variable still on its own layout."""
-    mesh = keras.distribution.DeviceMesh((2, 4), ["batch", "model"], devices)
-    layout = keras.distribution.LayoutMap(mesh)
-    layout[".*/d1/kernel"] = (None, "model")
-    layout[".*/d1/bias"] = ("model",)
-    layout[".*/d2/kernel"] = ("model", None)
-    dist = keras.distribution.ModelParallel(layout_map=layout, batch_dim_name="batch")
+@pytest.mark.parametrize("kind", ["ModelParallel", "DataParallel"])
+def test_distributed_save_and_resume_keeps_layouts(ckdir, devices, kind):
+    """ModelParallel with a LayoutMap on 2x4 CPU devices (and DataParallel on 8): variables are saved
+    sharded and a fresh model resumes with every value bit-equal and every variable on its layout."""
+    if kind == "ModelParallel":
+        mesh = keras.distribution.DeviceMesh((2, 4), ["batch", "model"], devices)
+        layout = keras.distribution.LayoutMap(mesh)
+        layout[".*/d1/kernel"] = (None, "model")
+        layout[".*/d1/bias"] = ("model",)
+        layout[".*/d2/kernel"] = ("model", None)
+        dist = keras.distribution.ModelParallel(layout_map=layout, batch_dim_name="batch")
+    else:
+        dist = keras.distribution.DataParallel(devices=devices)
     x, y, val = _data()
     keras.backend.clear_session()
     with dist.scope():
@@ -153,7 +157,9 @@ def test_model_parallel_save_and_resume_keeps_layouts(ckdir, devices):
         a.fit(x, y, batch_size=16, epochs=2, validation_data=val, verbose=0, callbacks=[AsyncCheckpoint(ckdir)])
         saved = _state(a)
         kernel = a.get_layer("d1").kernel.value
-        assert not kernel.sharding.is_fully_replicated and kernel.addressable_shards[0].data.shape == (8, 8)
+        assert len(kernel.sharding.device_set) == 8
+        if kind == "ModelParallel":
+            assert not kernel.sharding.is_fully_replicated and kernel.addressable_shards[0].data.shape == (8, 8)
         b = _model(units=32, seed=2, clear=False)
         cb = AsyncCheckpoint(ckdir)
         b.fit(x, y, batch_size=16, epochs=2, validation_data=val, verbose=0, callbacks=[cb])
@@ -200,6 +206,15 @@ def test_keep_last_and_keep_best_on_val_loss_leave_exactly_the_expected_steps(ck
     assert cb.manager.best_step() == best == mngr.best_step()
     assert "val_loss" not in mngr.metrics(20) and mngr.metrics(best)["val_loss"] == pytest.approx(min(val_loss))
     assert cb.best == pytest.approx(min(val_loss))
+
+
+def test_initial_value_threshold_bars_steps_from_best(ckdir):
+    """No val_loss can beat a threshold of 0: no step ranks as best, only keep_last keeps."""
+    x, y, val = _data()
+    cb = AsyncCheckpoint(ckdir, keep_last=1, keep_best=1, initial_value_threshold=0.0)
+    _model().fit(x, y, batch_size=16, epochs=3, validation_data=val, verbose=0, callbacks=[cb])
+    assert cb.manager.all_steps() == [12] and cb.manager.best_step() is None
+    assert cb.manager.metrics(12)["val_loss"] > 0 and cb.best == 0.0
 
 
 def test_resumable_dataset_order_skip_and_epochs():
