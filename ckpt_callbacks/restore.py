@@ -100,7 +100,7 @@ class leaf_reader:
         try:
             arr = ts.open(spec).result()
         except Exception as e:
-            raise CorruptCheckpointError(f"{where}: cannot open array {rec['z']}: {str(e)[:300]}", where) from None
+            raise CorruptCheckpointError(f"{where}: cannot open array {rec['z']}: {self.store.redact(str(e))[:300]}", where) from None
         chunks = list(arr.chunk_layout.read_chunk.shape)
         if (list(arr.shape) != rec["sh"] or arr.dtype.numpy_dtype != np.dtype(fmt.storage_dtype(rec["dt"]))
                 or chunks != rec["ch"]):
@@ -139,7 +139,7 @@ class leaf_reader:
             out = arr[tuple(slice(a, b) for a, b in box)].read().result()
         except Exception as e:
             raise CorruptCheckpointError(f"{where}: reading {rec['z']} failed (damaged or missing chunk): "
-                                         f"{str(e)[:300]}", where) from None
+                                         f"{self.store.redact(str(e))[:300]}", where) from None
         return out.view(fmt.logical_dtype(rec["dt"]))
 
 

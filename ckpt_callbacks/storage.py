@@ -7,32 +7,32 @@ Example::
     store.committed_steps()                 # [] on a new directory
 
 Who calls what, in order, for one save (process 0 unless said otherwise):
-  1. ``begin(step, token)`` on every process -> the staging location (relative name) to write into;
+  1. ``begin(step, token, lead=...)`` on every process -> the staging location (relative name) to
+     write into; only the lead (process 0) prepares it (object stores: writes the pending record
+     ``pending/step_N`` naming this save, then clears bytes of an earlier attempt at ``step_N/``);
   2. every process writes arrays through ``kvstore(rel)`` (tensorstore) and blobs through ``write``,
      then calls ``sync(rel_dirs)`` so that its own bytes are durable;
   3. after a barrier, process 0 writes the manifest and calls ``publish(staging, step)``: POSIX
-     fsyncs and renames ``step_N.tmp-<token>`` to ``step_N`` and fsyncs the parent; object stores write
-     the commit marker ``commits/step_N`` last. Only then is the step visible to ``committed_steps``.
+     fsyncs and renames ``step_N.tmp-<token>`` to ``step_N`` and fsyncs the parent; object stores check
+     that the pending record is still this save's, then write the commit marker ``commits/step_N``
+     last. Only then is the step visible to ``committed_steps``. A failed save calls ``abort``.
 Deletion (``delete``) hides the step first (rename to ``.del-``, or marker removed first), then removes
 its bytes, so a half-deleted step is never seen as committed. ``leftovers`` lists only names this
-package creates (``step_N.tmp-*``, ``step_N.del-*``, uncommitted ``step_N/`` prefixes).
+package creates (``step_N.tmp-*``, ``step_N.del-*``; object stores: steps whose pending record
+belongs to no live save), and ``remove`` deletes one. Messages never contain an endpoint or a
+credential (``redact``/``scrub``); see docs/storage.md for URLs, credentials and atomicity.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
-import time
 import urllib.parse
-
-import tensorstore as ts
 
 from . import format as fmt
 from .errors import CheckpointError, CheckpointNotFoundError
 
-__all__ = ["Store", "LocalStore", "ObjectStore", "open_store"]
-
-MARKERS = "commits/"
+__all__ = ["Store", "LocalStore", "open_store"]
 
 
 class Store:
@@ -56,7 +56,8 @@ class Store:
     def step_dir(self, step: int) -> str:
         return fmt.step_name(step)
 
-    def begin(self, step: int, token: str) -> str:
+    def begin(self, step: int, token: str, lead: bool = True) -> str:
+        """`lead` is True on the one process (0) that owns the step's staging and publishes it."""
         raise NotImplementedError
 
     def sync(self, rels: list[str]) -> None:
@@ -76,6 +77,20 @@ class Store:
 
     def abort(self, staging: str) -> None:
         self.remove(staging)
+
+    def redact(self, message: str) -> str:
+        """`message` safe to log: without endpoints or credentials (identity for local paths)."""
+        return message
+
+    def scrub(self, error: BaseException) -> BaseException:
+        """`error` itself, or a CheckpointError carrying its redacted message (and no chained cause)."""
+        msg = str(error)
+        clean = self.redact(msg)
+        if clean == msg:
+            return error
+        new = CheckpointError(f"{type(error).__name__}: {clean}").with_traceback(error.__traceback__)
+        new.__suppress_context__ = True
+        return new
 
     def size(self, step: int) -> int | None:
         return None
@@ -129,7 +144,7 @@ class LocalStore(Store):
             return []
         return sorted(s for s in map(fmt.parse_step_name, names) if s is not None)
 
-    def begin(self, step: int, token: str) -> str:
+    def begin(self, step: int, token: str, lead: bool = True) -> str:
         rel = f"{fmt.step_name(step)}.tmp-{token}"
         os.makedirs(self.path(rel), exist_ok=True)
         return rel
@@ -200,110 +215,12 @@ class LocalStore(Store):
                                   f"(uid {os.getuid()}); fix its permissions or choose another directory")
 
 
-class ObjectStore(Store):
-    """An s3:// or gs:// prefix through tensorstore's kvstore drivers; commit by a marker written last."""
-
-    local = False
-
-    def __init__(self, url: str, retries: int = 5, backoff_s: float = 0.2):
-        u = urllib.parse.urlparse(url)
-        if not u.netloc:
-            raise ValueError(f"{url!r}: expected s3://bucket/prefix or gs://bucket/prefix")
-        self.scheme, self.bucket = u.scheme, u.netloc
-        self.prefix = u.path.strip("/") + "/" if u.path.strip("/") else ""
-        self.url = f"{u.scheme}://{u.netloc}/{self.prefix}"
-        self.retries, self.backoff_s = retries, backoff_s
-        self._kv = None
-
-    def _spec(self, path: str) -> dict:
-        if self.scheme == "gs":
-            return {"driver": "gcs", "bucket": self.bucket, "path": path}
-        spec = {"driver": "s3", "bucket": self.bucket, "path": path}
-        endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
-        if endpoint:
-            spec["endpoint"] = endpoint
-        region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
-        if region:
-            spec["aws_region"] = region
-        return spec
-
-    def kvstore(self, rel: str) -> dict:
-        return self._spec(self.prefix + rel + "/")
-
-    @property
-    def kv(self):
-        if self._kv is None:
-            self._kv = self._retry(lambda: ts.KvStore.open(self._spec(self.prefix)).result(), "open")
-        return self._kv
-
-    def _retry(self, fn, what: str):
-        delay = self.backoff_s
-        for attempt in range(self.retries + 1):
-            try:
-                return fn()
-            except (ValueError, RuntimeError, OSError) as e:
-                if attempt == self.retries:
-                    raise CheckpointError(f"{self.url}: {what} failed after {self.retries + 1} attempts: "
-                                          f"{type(e).__name__}: {str(e)[:300]}") from None
-                time.sleep(delay)
-                delay *= 2
-
-    def write(self, rel: str, data: bytes) -> None:
-        self._retry(lambda: self.kv.write(rel, data).result(), f"write {rel}")
-
-    def read(self, rel: str) -> bytes:
-        r = self._retry(lambda: self.kv.read(rel).result(), f"read {rel}")
-        if r.state != "value":
-            raise CheckpointNotFoundError(f"{self.url}{rel} does not exist")
-        return bytes(r.value)
-
-    def _list(self, prefix: str) -> list[str]:
-        rng = ts.KvStore.KeyRange(prefix, prefix[:-1] + chr(ord(prefix[-1]) + 1)) if prefix else ts.KvStore.KeyRange()
-        keys = self._retry(lambda: self.kv.list(rng).result(), f"list {prefix or '/'}")
-        return [k.decode() for k in keys]
-
-    def _delete_prefix(self, prefix: str) -> None:
-        rng = ts.KvStore.KeyRange(prefix, prefix[:-1] + chr(ord(prefix[-1]) + 1))
-        self._retry(lambda: self.kv.delete_range(rng).result(), f"delete {prefix}")
-
-    def committed_steps(self) -> list[int]:
-        names = (k[len(MARKERS):] for k in self._list(MARKERS))
-        return sorted(s for s in map(fmt.parse_step_name, names) if s is not None)
-
-    def begin(self, step: int, token: str) -> str:
-        return fmt.step_name(step)
-
-    def publish(self, staging: str, step: int, replace: bool = False) -> None:
-        marker = MARKERS + fmt.step_name(step)
-        self.write(marker, fmt.step_name(step).encode())
-
-    def delete(self, step: int) -> None:
-        name = fmt.step_name(step)
-        self._retry(lambda: self.kv.delete_range(ts.KvStore.KeyRange(MARKERS + name, MARKERS + name + "\0")).result(),
-                    f"delete marker {name}")
-        self._delete_prefix(name + "/")
-
-    def leftovers(self) -> list[str]:
-        committed = {fmt.step_name(s) for s in self.committed_steps()}
-        tops = {k.split("/", 1)[0] for k in self._list("") if "/" in k}
-        return sorted(t for t in tops if fmt.STEP_RE.match(t) and t not in committed)
-
-    def remove(self, name: str) -> None:
-        if not fmt.STEP_RE.match(name):
-            raise ValueError(f"refusing to remove {name!r}: not a name ckpt_callbacks creates")
-        if fmt.parse_step_name(name) in self.committed_steps():
-            raise ValueError(f"refusing to remove committed step {name}")
-        self._delete_prefix(name + "/")
-
-    def size(self, step: int) -> int | None:
-        return None
-
-
 def open_store(directory) -> Store:
     """A Store for a local path, ``file://`` URL, ``s3://bucket/prefix`` or ``gs://bucket/prefix``."""
     directory = os.fspath(directory)
     scheme = urllib.parse.urlparse(directory).scheme
     if scheme in ("s3", "gs"):
+        from .objectstore import ObjectStore   # here, not at the top: objectstore builds on Store
         return ObjectStore(directory)
     if scheme == "file":
         return LocalStore(urllib.parse.urlparse(directory).path)

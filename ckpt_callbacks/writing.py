@@ -88,12 +88,14 @@ def write_and_commit(store: Store, step: int, snap: Snapshot, items, *, coord: C
     """Run the background part of a save. `items` has ``.get()`` yielding what `snapshot.copy` emits."""
     coord = coord or SingleProcess()
     pi = coord.process_index
-    staging = store.begin(step, token)
+    items = _Items(items)
+    staging = None
     error = None
     written = files = 0
     packed_info: dict = {}
     mine: list = []
     try:
+        staging = store.begin(step, token, lead=pi == 0)
         arrays = _open_arrays(store, staging, snap, coord, timeout_s, f"meta/{step}/{token}")
         written, files, packed_info, mine = _consume(store, staging, snap, items, arrays, budget)
         if host_state is not None:
@@ -103,7 +105,7 @@ def write_and_commit(store: Store, step: int, snap: Snapshot, items, *, coord: C
             mine.append(rel)
         store.sync([f"{staging}/{r}" for r in mine])
     except BaseException as e:  # noqa: BLE001 - reported to every process, then re-raised
-        error = e
+        error = store.scrub(e)  # object stores: the message without endpoint or credentials
         _drain(items, budget)
     t_written = time.perf_counter()
     status = msgpack.packb({"ok": error is None, "err": None if error is None else f"{type(error).__name__}: {error}",
@@ -146,16 +148,31 @@ def write_and_commit(store: Store, step: int, snap: Snapshot, items, *, coord: C
                      files=files + (1 if pi == 0 else 0), process_index=pi)
 
 
-def _abort(store: Store, staging: str) -> None:
+def _abort(store: Store, staging: str | None) -> None:
+    if staging is None:  # begin itself failed
+        return
     try:
         store.abort(staging)
     except Exception:  # noqa: BLE001 - leftovers are cleaned at the next start
         pass
 
 
+class _Items:
+    """The producer's items, remembering whether its end (None) was taken already."""
+
+    def __init__(self, items):
+        self.items, self.ended = items, False
+
+    def get(self):
+        item = self.items.get()
+        self.ended = self.ended or item is None
+        return item
+
+
 def _drain(items, budget):
-    """After a failure: keep taking items so the producer never blocks on the budget."""
-    while True:
+    """After a failure: keep taking items so the producer never blocks on the budget (unless it
+    has finished: a failure after the last item, e.g. a chunk write failing, must not wait)."""
+    while not items.ended:
         item = items.get()
         if item is None:
             return

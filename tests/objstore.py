@@ -1,0 +1,290 @@
+"""Real object-store servers for tests: moto (S3 protocol) and gcp-storage-emulator (GCS JSON API).
+
+Example (in a test module)::
+
+    from objstore import objstore_env, s3_server, gcs_server, objstore   # noqa: F401 (fixtures)
+
+    def test_roundtrip(objstore):                  # runs once against S3, once against GCS
+        with cc.CheckpointManager(objstore.url) as m:
+            m.save(1, {"w": np.ones(3)})
+        assert objstore.keys() == [...]            # every object under this test's prefix
+
+Who calls what: pytest. `objstore_env` (session) starts both servers as subprocesses on free ports
+of 127.0.0.1, creates one bucket on each and points the environment at them (endpoints,
+throwaway credentials, fast tensorstore retries, and every metadata/credential lookup pinned to
+127.0.0.1 or disabled), so no test reaches any other address; it restores the environment and
+stops the servers at the end of the session. `objstore` gives each test its own fresh prefix
+(``s3://ckpt-test/<unique>`` or ``gs://ckpt-test/<unique>``). Clients reach each server through a
+TCP gate on its public port: `Emulator.go_down()` / `come_back()` (or `outage()`) make the server
+unreachable and reachable again at once, as a stopped and restarted server would be, while it
+keeps its objects (moto keeps state only in memory, so really stopping it would lose the bucket).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import socket
+import subprocess
+import struct
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+import uuid
+
+import pytest
+
+__all__ = ["Emulator", "Bucket", "objstore_env", "s3_server", "gcs_server", "objstore", "BUCKET",
+           "SECRETS", "free_port"]
+
+BUCKET = "ckpt-test"
+BIN = os.path.dirname(sys.executable)
+# Throwaway credentials: long and distinctive, so a test can prove they never leak anywhere.
+SECRETS = {"AWS_ACCESS_KEY_ID": "CKPTTESTKEYID0123456789",
+           "AWS_SECRET_ACCESS_KEY": "ckpt-test-secret-key-9f8e7d6c5b4a",
+           "GOOGLE_AUTH_TOKEN_FOR_TESTING": "ckpt-test-gcs-token-1a2b3c4d5e"}
+_PROXY_VARS = ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY", "all_proxy", "ALL_PROXY")
+_counter = itertools.count()
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _http(method: str, url: str, timeout: float = 5.0) -> int:
+    """One request to a local server, never through a proxy."""
+    assert url.startswith("http://127.0.0.1:"), url
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    req = urllib.request.Request(url, data=b"" if method == "PUT" else None, method=method)
+    try:
+        with opener.open(req, timeout=timeout) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+class _Gate:
+    """A TCP forwarder on 127.0.0.1:`port` to the server's own port, that can be closed and reopened.
+
+    `close()` makes the server unreachable at once (listener closed, open connections reset), as if
+    it had stopped, while the server process keeps its state; `open()` brings it back on the same
+    port. Bytes pass through unchanged: the client still speaks S3 / GCS to the real server.
+    """
+
+    def __init__(self, port: int, backend_port: int):
+        self.port, self.backend_port = port, backend_port
+        self._conns: set = set()
+        self._lock = threading.Lock()
+        self._listener: socket.socket | None = None
+
+    def open(self) -> None:
+        ls = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        ls.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        ls.bind(("127.0.0.1", self.port))
+        ls.listen(256)
+        self._listener = ls
+        threading.Thread(target=self._accept, args=(ls,), daemon=True).start()
+
+    def _accept(self, ls) -> None:
+        while True:
+            try:
+                client, _ = ls.accept()
+            except OSError:
+                return
+            try:
+                backend = socket.create_connection(("127.0.0.1", self.backend_port))
+            except OSError:
+                client.close()
+                continue
+            with self._lock:
+                self._conns |= {client, backend}
+            for a, b in ((client, backend), (backend, client)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    def _pump(self, src, dst) -> None:
+        try:
+            while data := src.recv(1 << 16):
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for sock in (src, dst):
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+            with self._lock:
+                self._conns -= {src, dst}
+
+    def close(self) -> None:
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+        with self._lock:
+            conns, self._conns = list(self._conns), set()
+        for sock in conns:   # reset, as a dying server's kernel would
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                sock.close()
+            except OSError:
+                pass
+
+
+class Emulator:
+    """Owns one server subprocess on 127.0.0.1 (start, outage, stop)."""
+
+    def __init__(self, kind: str, workdir: str):
+        assert kind in ("s3", "gs")
+        self.kind, self.workdir = kind, workdir
+        self.port = free_port()                 # what clients use: the gate
+        self.server_port = free_port()          # where the server itself listens
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen | None = None
+        self.gate = _Gate(self.port, self.server_port)
+
+    def _cmd(self) -> list[str]:
+        if self.kind == "s3":
+            return [os.path.join(BIN, "moto_server"), "-H", "127.0.0.1", "-p", str(self.server_port)]
+        return [os.path.join(BIN, "gcp-storage-emulator"), "start", "-H", "127.0.0.1", "--port", str(self.server_port),
+                "--in-memory", "--default-bucket", BUCKET, "-q"]
+
+    def start(self, timeout_s: float = 60.0) -> None:
+        log = open(os.path.join(self.workdir, f"{self.kind}-server.log"), "ab")
+        self.proc = subprocess.Popen(self._cmd(), stdout=log, stderr=subprocess.STDOUT, cwd=self.workdir,
+                                     env={k: v for k, v in os.environ.items() if k not in _PROXY_VARS})
+        log.close()
+        self.gate.open()
+        self._wait_ready(timeout_s)
+        if self.kind == "s3":
+            status = _http("PUT", f"{self.endpoint}/{BUCKET}")
+            assert status == 200, f"creating bucket {BUCKET} on moto: HTTP {status}"
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        probe = f"{self.endpoint}/" if self.kind == "s3" else f"{self.endpoint}/storage/v1/b/{BUCKET}"
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.kind} emulator exited with {self.proc.returncode}; see "
+                                   f"{self.workdir}/{self.kind}-server.log")
+            try:
+                if _http("GET", probe, timeout=2.0) < 500:
+                    return
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{self.kind} emulator did not answer on {self.endpoint} in {timeout_s}s")
+            time.sleep(0.05)
+
+    @contextlib.contextmanager
+    def outage(self):
+        """The server is unreachable inside the block (connections refused or reset), back after it."""
+        self.go_down()
+        try:
+            yield
+        finally:
+            self.come_back()
+
+    def go_down(self) -> None:
+        self.gate.close()
+
+    def come_back(self) -> None:
+        self.gate.open()
+        self._wait_ready(30.0)
+
+    def stop(self) -> None:
+        self.gate.close()
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+class Bucket:
+    """One test's prefix on one server: its URL and every object under it (read independently)."""
+
+    def __init__(self, server: Emulator, prefix: str):
+        self.server, self.prefix = server, prefix
+        self.url = f"{server.kind}://{BUCKET}/{prefix}"
+
+    def _kv(self):
+        """The bucket root (gcp-storage-emulator ignores the key range of a listing: filter here)."""
+        import tensorstore as ts
+        if self.server.kind == "s3":
+            spec = {"driver": "s3", "bucket": BUCKET, "endpoint": self.server.endpoint, "aws_region": "us-east-1"}
+        else:
+            spec = {"driver": "gcs", "bucket": BUCKET}
+        return ts.KvStore.open(spec).result()
+
+    def keys(self) -> list[str]:
+        """Every object key under this prefix (relative to it), sorted."""
+        base = self.prefix + "/"
+        return sorted(k[len(base):] for k in (k.decode() for k in self._kv().list().result()) if k.startswith(base))
+
+    def read(self, key: str) -> bytes:
+        r = self._kv().read(f"{self.prefix}/{key}").result()
+        assert r.state == "value", f"{self.url}/{key} does not exist"
+        return bytes(r.value)
+
+    def write(self, key: str, data: bytes) -> None:
+        self._kv().write(f"{self.prefix}/{key}", data).result()
+
+    def delete(self, key: str) -> None:
+        self._kv().write(f"{self.prefix}/{key}", None).result()
+
+
+@pytest.fixture(scope="session")
+def objstore_env():
+    """Start both servers and point the environment at them; yields {"s3": Emulator, "gs": Emulator}."""
+    workdir = tempfile.mkdtemp(prefix="ckpt-objstore-")
+    servers = {"s3": Emulator("s3", workdir), "gs": Emulator("gs", workdir)}
+    saved = dict(os.environ)
+    empty = os.path.join(workdir, "empty")
+    open(empty, "w").close()
+    for var in _PROXY_VARS + ("GOOGLE_APPLICATION_CREDENTIALS", "AWS_PROFILE", "AWS_ENDPOINT_URL"):
+        os.environ.pop(var, None)
+    os.environ.update(SECRETS)
+    os.environ.update({
+        "AWS_ENDPOINT_URL_S3": servers["s3"].endpoint,
+        "AWS_REGION": "us-east-1",
+        "AWS_EC2_METADATA_DISABLED": "true",            # never ask an instance-metadata service
+        "AWS_CONFIG_FILE": empty, "AWS_SHARED_CREDENTIALS_FILE": empty,
+        "TENSORSTORE_GCS_HTTP_URL": servers["gs"].endpoint,
+        "CLOUDSDK_CONFIG": workdir,                     # no gcloud credentials file
+        "GCE_METADATA_ROOT": "127.0.0.1:9",             # should anything still ask for GCE metadata
+        "GCE_METADATA_HOST": "127.0.0.1:9",
+        "NO_PROXY": "127.0.0.1,localhost", "no_proxy": "127.0.0.1,localhost",
+        # A server that hangs must fail a request in seconds, not minutes.
+        "TENSORSTORE_CURL_LOW_SPEED_LIMIT_BYTES": "1", "TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS": "10",
+        "TENSORSTORE_CURL_CONNECT_TIMEOUT_SECONDS": "10",
+        "CKPT_CALLBACKS_IO_RETRIES": "2", "CKPT_CALLBACKS_IO_BACKOFF_S": "0.05",
+        "CKPT_CALLBACKS_IO_MAX_BACKOFF_S": "0.2",
+    })
+    try:
+        for s in servers.values():
+            s.start()
+        yield servers
+    finally:
+        for s in servers.values():
+            s.stop()
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+@pytest.fixture(scope="session")
+def s3_server(objstore_env):
+    return objstore_env["s3"]
+
+
+@pytest.fixture(scope="session")
+def gcs_server(objstore_env):
+    return objstore_env["gs"]
+
+
+@pytest.fixture(params=["s3", "gs"])
+def objstore(request, objstore_env) -> Bucket:
+    """A fresh, empty prefix on the S3 server, then on the GCS server."""
+    return Bucket(objstore_env[request.param], f"t{next(_counter)}-{uuid.uuid4().hex[:8]}")

@@ -1,0 +1,290 @@
+"""Object stores on real protocol servers: moto (S3) and gcp-storage-emulator (GCS), on 127.0.0.1.
+
+Every test runs against both servers (the `objstore` fixture of tests/objstore.py), each on its
+own fresh prefix: async save, restore with resharding, retention that leaves exactly the expected
+objects, a SIGKILLed save that stays invisible and is cleaned later, which leftovers start-up
+cleanup spares, a server outage mid-save, and that endpoints/credentials never leak.
+"""
+
+import logging
+import os
+import queue
+import subprocess
+import sys
+import threading
+
+import jax
+import msgpack
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import ckpt_callbacks as cc
+from ckpt_callbacks import objectstore, snapshot, writing
+from ckpt_callbacks.storage import open_store
+from helpers import assert_tree_equal
+from objstore import SECRETS, gcs_server, objstore, objstore_env, s3_server  # noqa: F401 (fixtures)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def mesh(shape):
+    return Mesh(np.array(jax.devices()).reshape(shape), ("a", "b"))
+
+
+def tree_at(step: int, sharding=None) -> dict:
+    """A small train state: a sharded zarr array, a packed leaf, numpy, a PRNG key, python scalars."""
+    sharding = sharding or NamedSharding(mesh((4, 2)), P("a", "b"))
+    w = np.arange(512 * 640, dtype=np.float32).reshape(512, 640) * (step + 1)   # 1.3 MB: a zarr array
+    return {"params": {"w": jax.device_put(w, sharding), "b": np.full(7, step, np.float32)},
+            "opt": {"count": np.int64(step), "mu": np.linspace(0, 1, 50, dtype=np.float32) + step},
+            "rng": jax.random.key(step), "step": step}
+
+
+def step_keys(keys: list[str], step: int) -> list[str]:
+    name = f"step_{step:010d}/"
+    return [k[len(name):] for k in keys if k.startswith(name)]
+
+
+def test_redact_removes_endpoints_specs_and_secrets(objstore_env):
+    ep = objstore_env["s3"].endpoint
+    msg = (f"ABORTED: Error reading \"x\": CURL error: Failed to connect to 127.0.0.1 port 4711 "
+           f"[tensorstore_spec='{{\"endpoint\":\"{ep}\"}}'] while fetching {ep}/ckpt-test/x "
+           f"with key {SECRETS['AWS_SECRET_ACCESS_KEY']}")
+    out = objectstore.redact(msg)
+    assert out == ('ABORTED: Error reading "x": CURL error: Failed to connect to <endpoint> while fetching '
+                   '<endpoint> with key <redacted>')
+
+
+def test_async_save_then_restore_resharded(objstore):
+    tree = tree_at(3)
+    host = tree["params"]["b"]
+    with cc.CheckpointManager(objstore.url, async_save=True) as m:
+        assert m.save(3, tree, metrics={"loss": 0.25})
+        host[:] = -1                                   # mutated after save() returned: not saved
+        m.wait_until_finished()
+        assert m.all_steps() == [3] and m.metrics(3) == {"loss": 0.25}
+    expected = tree_at(3)
+    for shape, spec in (((2, 4), P("a", "b")), ((8, 1), P("a", None))):
+        sh = NamedSharding(mesh(shape), spec)
+        target = jax.tree.map(lambda x: x, tree_at(0, sh))
+        out = cc.CheckpointManager(objstore.url, read_only=True).restore(target=target)
+        assert_tree_equal(out, tree_at(3, sh))
+        assert out["params"]["w"].sharding == sh
+    plain = cc.CheckpointManager(objstore.url, read_only=True).restore()
+    assert np.array_equal(plain["params"]["w"], np.asarray(expected["params"]["w"]))
+    assert objstore.keys()[:1] == ["commits/step_0000000003"]
+    assert not [k for k in objstore.keys() if k.startswith("pending/")]
+
+
+def test_retention_leaves_exactly_the_kept_steps(objstore):
+    with cc.CheckpointManager(objstore.url, retention=cc.KeepLast(2)) as m:
+        for step in range(1, 6):
+            m.save(step, tree_at(step))
+        m.wait_until_finished()
+        assert m.all_steps() == [4, 5]
+        assert [list(s.deleted) for s in m.history] == [[], [], [1], [2], [3]]
+    keys = objstore.keys()
+    one_step = step_keys(keys, 5)
+    assert "manifest.msgpack" in one_step and any(k.startswith("arrays/") for k in one_step)
+    assert keys == sorted(["commits/step_0000000004", "commits/step_0000000005"]
+                          + [f"step_0000000004/{k}" for k in one_step] + [f"step_0000000005/{k}" for k in one_step])
+    assert_tree_equal(cc.CheckpointManager(objstore.url, read_only=True).restore(4, target=tree_at(0)), tree_at(4))
+
+
+CHILD = r"""
+import os, signal, sys
+import numpy as np
+import ckpt_callbacks as cc
+from ckpt_callbacks import objectstore
+url = sys.argv[1]
+def tree(s):
+    return {"w": np.arange(100_000, dtype=np.float32) + s, "step": s}
+m = cc.CheckpointManager(url, async_save=False)
+for s in (1, 2, 3):
+    m.save(s, tree(s))
+def die(self, staging, step, replace=False):   # all bytes and the manifest are written: die now
+    os.kill(os.getpid(), signal.SIGKILL)
+objectstore.ObjectStore.publish = die
+m.save(4, tree(4))
+"""
+
+
+def test_killed_save_is_invisible_then_cleaned_and_run_resumes(objstore):
+    r = subprocess.run([sys.executable, "-c", CHILD, objstore.url], capture_output=True, text=True, timeout=120,
+                       cwd=ROOT)
+    assert r.returncode == -9, r.stderr[-3000:]
+    keys = objstore.keys()
+    assert "commits/step_0000000004" not in keys
+    assert "pending/step_0000000004" in keys and "step_0000000004/manifest.msgpack" in keys
+    ro = cc.CheckpointManager(objstore.url, read_only=True)
+    assert ro.all_steps() == [1, 2, 3] and ro.latest_step() == 3
+    with pytest.raises(cc.CheckpointNotFoundError):
+        ro.restore(4)
+    assert step_keys(objstore.keys(), 4)            # read-only: nothing is cleaned
+    with cc.CheckpointManager(objstore.url) as m:   # start-up: the dead writer's step 4 goes
+        assert not step_keys(objstore.keys(), 4) and "pending/step_0000000004" not in objstore.keys()
+        start = m.latest_step()
+        assert start == 3
+        out = m.restore(target={"w": np.zeros(100_000, np.float32), "step": 0})
+        assert_tree_equal(out, {"w": np.arange(100_000, dtype=np.float32) + 3, "step": 3})
+        assert m.save(4, {"w": out["w"] + 1, "step": 4})
+        m.wait_until_finished()
+        assert m.all_steps() == [1, 2, 3, 4]
+    assert not [k for k in objstore.keys() if k.startswith("pending/")]
+
+
+def _record(host, pid, age_s, token="abc"):
+    import time
+    return msgpack.packb({"op": "save", "token": token, "time": time.time() - age_s, "host": host, "pid": pid})
+
+
+def test_cleanup_removes_only_leftovers_no_live_save_owns(objstore):
+    import socket
+    me = socket.gethostname()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    live_here = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        cases = {10: (me, dead.pid, 0), 11: (me, live_here.pid, 10**6), 12: ("other-host", 1, 60),
+                 13: ("other-host", 1, 3 * 3600), 14: (me, os.getpid(), 0)}
+        for step, (host, pid, age) in cases.items():
+            objstore.write(f"pending/step_{step:010d}", _record(host, pid, age))
+            objstore.write(f"step_{step:010d}/blobs/p0-0.msgpack", b"partial")
+        objstore.write("step_0000000099/blobs/p0-0.msgpack", b"no record: not known to be ours")
+        objstore.write("notes/step_0000000010", b"not ours")
+        store = open_store(objstore.url)
+        # 10: this host, pid dead; 13: another host, older than CKPT_CALLBACKS_STALE_AFTER_S (2h);
+        # 14: this very process, but no save of it is in flight. 11 (pid alive) and 12 (recent) stay.
+        assert store.leftovers() == ["step_0000000010", "step_0000000013", "step_0000000014"]
+        with cc.CheckpointManager(objstore.url):
+            pass
+        left = {k.split("/")[0] + "/" + k.split("/")[1] for k in objstore.keys()}
+        assert left == {"pending/step_0000000011", "pending/step_0000000012", "step_0000000011/blobs",
+                        "step_0000000012/blobs", "step_0000000099/blobs", "notes/step_0000000010"}
+    finally:
+        live_here.kill()
+        live_here.wait()
+
+
+def test_a_save_whose_claim_was_taken_is_not_committed(objstore):
+    """A cleanup that (wrongly) judged a slow save dead removes its record: the save must fail."""
+    store = open_store(objstore.url)
+    snap = snapshot.plan({"w": np.ones(5, np.float32)})
+    items: queue.SimpleQueue = queue.SimpleQueue()
+    snapshot.copy(snap, items.put)
+    real_write = store.write
+
+    def write(rel, data):
+        if rel.endswith("manifest.msgpack"):
+            objstore.delete("pending/step_0000000007")   # another process's cleanup, mid-save
+        real_write(rel, data)
+
+    store.write = write
+    with pytest.raises(cc.CheckpointSaveError, match="was removed or replaced by another process"):
+        writing.write_and_commit(store, 7, snap, items, token="a1b2c3d4e5f6")
+    assert "commits/step_0000000007" not in objstore.keys()
+    assert open_store(objstore.url).committed_steps() == []
+
+
+class _Feed:
+    """The writer's item queue; `on_first` runs when the writer takes its first item (mid-save:
+    the pending record and the zarr metadata are written, no chunk yet)."""
+
+    def __init__(self, tree, on_first):
+        self.snap = snapshot.plan(tree)
+        self.items: list = []
+        snapshot.copy(self.snap, self.items.append)
+        self.on_first = on_first
+
+    def get(self):
+        if self.on_first:
+            self.on_first, f = None, self.on_first
+            f()
+        return self.items.pop(0)
+
+
+def test_server_outage_mid_save_fails_clearly_without_marker_then_recovers(objstore, monkeypatch, caplog):
+    caplog.set_level(logging.DEBUG)
+    with cc.CheckpointManager(objstore.url) as m:
+        m.save(1, tree_at(1))
+    monkeypatch.setenv("CKPT_CALLBACKS_IO_RETRIES", "2")
+    store = open_store(objstore.url)
+    feed = _Feed(tree_at(2), objstore.server.go_down)
+    try:
+        with pytest.raises(cc.CheckpointSaveError) as info:
+            writing.write_and_commit(store, 2, feed.snap, feed, token="0badc0ffee00")
+    finally:
+        objstore.server.come_back()
+    msg = str(info.value)
+    assert "save of step 2 failed and was not committed" in msg and "check that the endpoint is reachable" in msg
+    assert "All 2 retry attempts failed" in msg
+    ep = objstore.server.endpoint
+    assert ep not in msg and str(objstore.server.port) not in msg and "tensorstore_spec" not in msg
+    assert str(objstore.server.port) not in repr(info.value.__cause__)
+    # the server is back: step 2 has no marker; the next save works; start-up removes step 2's bytes
+    assert "commits/step_0000000002" not in objstore.keys()
+    monkeypatch.delenv("CKPT_CALLBACKS_IO_RETRIES")
+    with cc.CheckpointManager(objstore.url) as m:
+        assert m.all_steps() == [1]
+        m.save(3, tree_at(3))
+        m.wait_until_finished()
+        assert m.all_steps() == [1, 3]
+        assert_tree_equal(m.restore(target=tree_at(0)), tree_at(3))
+    with cc.CheckpointManager(objstore.url):
+        pass
+    keys = objstore.keys()
+    assert not step_keys(keys, 2) and not [k for k in keys if k.startswith("pending/")]
+    logged = "\n".join(r.getMessage() for r in caplog.records)
+    assert ep not in logged and str(objstore.server.port) not in logged
+
+
+def _retries(objstore) -> int:
+    """Requests tensorstore has retried so far on this kind of store (a process-wide counter)."""
+    import tensorstore as ts
+    kind = "s3" if objstore.server.kind == "s3" else "gcs"
+    for m in ts.experimental_collect_matching_metrics(f"/tensorstore/kvstore/{kind}/retries"):
+        return sum(v.get("value", 0) for v in m["values"])
+    return 0
+
+
+def test_a_brief_outage_mid_save_is_ridden_out_by_retries(objstore, monkeypatch):
+    monkeypatch.setenv("CKPT_CALLBACKS_IO_RETRIES", "8")
+    monkeypatch.setenv("CKPT_CALLBACKS_IO_BACKOFF_S", "0.2")
+    monkeypatch.setenv("CKPT_CALLBACKS_IO_MAX_BACKOFF_S", "1")
+    store = open_store(objstore.url)
+    come_back = threading.Timer(1.0, objstore.server.come_back)   # well within the ~6 s retry budget
+    retries_before = _retries(objstore)
+
+    def go_down_briefly():
+        objstore.server.go_down()
+        come_back.start()
+
+    feed = _Feed(tree_at(5), go_down_briefly)
+    try:
+        writing.write_and_commit(store, 5, feed.snap, feed, token="00c0ffee0bad")
+    finally:
+        come_back.join()
+    assert _retries(objstore) > retries_before
+    assert open_store(objstore.url).committed_steps() == [5]
+    assert_tree_equal(cc.CheckpointManager(objstore.url, read_only=True).restore(target=tree_at(0)), tree_at(5))
+
+
+def test_no_endpoint_or_credential_in_objects_logs_or_errors(objstore, caplog, capfd):
+    caplog.set_level(logging.DEBUG)
+    with cc.CheckpointManager(objstore.url, retention=cc.KeepLast(1)) as m:
+        m.save(1, tree_at(1), metrics={"loss": 1.0})
+        m.save(2, tree_at(2), metrics={"loss": 0.5})
+        m.wait_until_finished()
+        m.restore(target=tree_at(0))
+    with pytest.raises(cc.CheckpointError) as info:
+        cc.CheckpointManager(objstore.url.replace("ckpt-test", "no-such-bucket-here"))
+    assert "no-such-bucket-here" in str(info.value)
+    err = capfd.readouterr().err
+    sensitive = [objstore.server.endpoint, f"127.0.0.1:{objstore.server.port}", *SECRETS.values()]
+    blobs = b"".join(objstore.read(k) for k in objstore.keys())
+    for s in sensitive:
+        assert s.encode() not in blobs, s
+        assert s not in str(info.value), s
+        assert s not in "\n".join(r.getMessage() for r in caplog.records), s
+        assert s not in err, s
