@@ -1,0 +1,200 @@
+"""`ckpt-callbacks bench`: this package's save/restore speed and memory, side by side with Orbax,
+flax msgpack, np.savez and the raw write+fsync bandwidth of the same directory, on tmpfs and on disk.
+
+Example::
+
+    ckpt-callbacks bench                                   # every workload, full size (minutes)
+    ckpt-callbacks bench --workloads big,small --scale 0.25 --repeats 2
+    ckpt-callbacks bench --workloads big --scale 0.01 --json > bench.json
+    python -m ckpt_callbacks.bench --help                  # the same, without the console script
+
+Who calls what: `ckpt_callbacks.cli` dispatches ``bench ...`` to `main(argv)` (the exit status is
+returned). `main` runs, for each workload and storage (``--storage tmpfs,disk``), one child
+process (``python -m ckpt_callbacks.bench --child ...``) that sets ``jax_num_cpu_devices=8``
+before any device use and runs `bench_workloads.WORKLOADS[name]`; a child per cell keeps one
+cell's allocations and caches out of the next one's memory and timings. ``--in-process`` runs
+them in this process instead (8 CPU devices are set up here, or the bench re-executes itself in a
+subprocess if JAX already started with another device count). Then the rows are rendered as a
+table (or ``--json``), with ratios of this package to each peer and a verdict on every target of
+issue #10. Workloads and what limits them: docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+from .bench_report import ratios, render, targets
+
+__all__ = ["main", "targets", "render"]
+
+MiB = 1 << 20
+WORKLOAD_NAMES = ("big", "small", "reshard", "memory", "fit")
+PEER_NAMES = ("ckpt_callbacks", "orbax", "flax-msgpack", "np.savez", "raw")
+ENGINE = "ckpt_callbacks"
+
+
+def _csv(choices):
+    def parse(text):
+        got = [t.strip() for t in text.split(",") if t.strip()]
+        bad = [t for t in got if t not in choices]
+        if bad or not got:
+            raise argparse.ArgumentTypeError(f"{','.join(bad) or text!r}: choose from {','.join(choices)}")
+        return got
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ckpt-callbacks bench", description=(
+        "Measure blocking time, save-to-durable time, restore time, peak host memory and files of "
+        "ckpt_callbacks against Orbax, flax msgpack, np.savez and raw write+fsync, on tmpfs and disk."))
+    p.add_argument("--workloads", type=_csv(WORKLOAD_NAMES), default=list(WORKLOAD_NAMES),
+                   help=f"comma-separated subset of {','.join(WORKLOAD_NAMES)} (default: all)")
+    p.add_argument("--peers", type=_csv(PEER_NAMES), default=list(PEER_NAMES),
+                   help=f"comma-separated subset of {','.join(PEER_NAMES)} (default: all importable)")
+    p.add_argument("--storage", type=_csv(("tmpfs", "disk")), default=["tmpfs", "disk"],
+                   help="where to write: tmpfs,disk (default: both)")
+    p.add_argument("--scale", type=float, default=1.0,
+                   help="size factor on every workload's bytes (1.0: big = 1 GiB, small = 2,000 leaves)")
+    p.add_argument("--repeats", type=int, default=3, help="measured saves per peer; the best is reported")
+    p.add_argument("--tmpfs-dir", default="/dev/shm", help="tmpfs directory (default /dev/shm)")
+    p.add_argument("--disk-dir", default=None, help="disk directory (default: ./ckpt-bench-tmp under the cwd)")
+    p.add_argument("--cache", choices=("cold", "hot"), default="cold",
+                   help="cold: evict the checkpoint's pages before each restore (default)")
+    p.add_argument("--leak-saves", type=int, default=100, help="consecutive saves in the memory workload")
+    p.add_argument("--fit-epochs", type=int, default=5, help="epochs per fit in the fit workload")
+    p.add_argument("--slow-s", type=float, default=30.0, help="do not repeat a save slower than this")
+    p.add_argument("--json", action="store_true", help="print the results as JSON instead of tables")
+    p.add_argument("--output", help="also write the JSON results to this file")
+    p.add_argument("--in-process", action="store_true", help="run every workload in this process")
+    p.add_argument("--child", nargs=4, metavar=("WORKLOAD", "STORAGE", "DIR", "OUT"), help=argparse.SUPPRESS)
+    return p
+
+
+# -- devices -----------------------------------------------------------------------------------
+def _ensure_devices() -> bool:
+    """Set 8 CPU devices if JAX has not started; True when this process has them."""
+    import jax
+    from jax._src import xla_bridge
+    if not xla_bridge.backends_are_initialized():
+        jax.config.update("jax_platforms", "cpu")
+        jax.config.update("jax_num_cpu_devices", 8)
+    return jax.default_backend() == "cpu" and len(jax.devices()) == 8
+
+
+# -- running -----------------------------------------------------------------------------------
+def _storage_dirs(args) -> dict:
+    disk = args.disk_dir or os.path.join(os.getcwd(), "ckpt-bench-tmp")
+    return {"tmpfs": args.tmpfs_dir, "disk": disk}
+
+
+def _context(args, root: str, storage: str):
+    from .bench_workloads import Context
+    return Context(root=root, storage=storage, scale=args.scale, repeats=max(1, args.repeats),
+                   peers=tuple(args.peers), cache=args.cache, slow_s=args.slow_s,
+                   leak_saves=args.leak_saves, fit_epochs=args.fit_epochs)
+
+
+def _run_child(args) -> int:
+    workload, storage, root, out = args.child
+    if not _ensure_devices():
+        sys.stderr.write("ckpt-callbacks bench: the child needs 8 CPU devices (JAX started already)\n")
+        return 2
+    from .bench_workloads import WORKLOADS
+    rows = WORKLOADS[workload](_context(args, root, storage))
+    with open(out, "w", encoding="utf-8") as f:
+        json.dump(rows, f)
+    return 0
+
+
+def _cell(args, argv, workload: str, storage: str, base: str) -> list:
+    root = tempfile.mkdtemp(prefix=f"ckpt-bench-{storage}-", dir=base)
+    try:
+        if args.in_process:
+            from .bench_workloads import WORKLOADS
+            return WORKLOADS[workload](_context(args, root, storage))
+        out = os.path.join(root, "rows.json")
+        cmd = [sys.executable, "-m", "ckpt_callbacks.bench", *argv, "--child", workload, storage, root, out]
+        env = dict(os.environ, JAX_PLATFORMS="cpu")
+        rc = subprocess.call(cmd, env=env)
+        if rc != 0 or not os.path.exists(out):
+            return [{"workload": workload, "storage": storage, "peer": ENGINE, "case": "",
+                     "skipped": f"the bench child process failed (exit status {rc}); see stderr"}]
+        with open(out, encoding="utf-8") as f:
+            return json.load(f)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def machine(dirs: dict) -> dict:
+    import psutil
+    info = {"platform": platform.platform(), "python": platform.python_version(),
+            "cpus": os.cpu_count(), "memory_gib": round(psutil.virtual_memory().total / 2**30, 1)}
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            info["cpu"] = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
+    except OSError:
+        pass
+    for storage, d in dirs.items():
+        try:
+            parts = [p for p in psutil.disk_partitions(all=True) if os.path.abspath(d).startswith(p.mountpoint)]
+            mp = max(parts, key=lambda p: len(p.mountpoint))
+            info[f"{storage}_fs"] = f"{mp.fstype} {mp.device} at {mp.mountpoint}"
+        except ValueError:
+            pass
+    from importlib import metadata
+    for pkg in ("jax", "tensorstore", "orbax-checkpoint", "flax", "keras", "numpy"):
+        try:
+            info[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            info[pkg] = None
+    return info
+
+
+def main(argv=None) -> int:
+    """Run the benchmark; see the module docstring. Returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    if args.child:
+        return _run_child(args)
+    if args.in_process and not _ensure_devices():
+        # JAX already started here with another device count: run the whole bench in a fresh process
+        return subprocess.call([sys.executable, "-m", "ckpt_callbacks.bench", *argv],
+                               env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    dirs = {s: d for s, d in _storage_dirs(args).items() if s in args.storage}
+    made = []
+    for d in dirs.values():
+        if not os.path.isdir(d):
+            os.makedirs(d)
+            made.append(d)
+    t0 = time.time()
+    rows = []
+    try:
+        for workload in args.workloads:
+            for storage, base in dirs.items():
+                print(f"bench: {workload} on {storage} ({base}) ...", file=sys.stderr, flush=True)
+                rows += _cell(args, argv, workload, storage, base)
+    finally:
+        for d in made:
+            shutil.rmtree(d, ignore_errors=True)
+    result = {"command": "ckpt-callbacks bench " + " ".join(argv), "machine": machine(dirs),
+              "config": {k: v for k, v in vars(args).items() if k not in ("child", "json", "output")},
+              "elapsed_s": round(time.time() - t0, 1), "rows": rows}
+    result["ratios"] = ratios(rows)
+    result["targets"] = targets(rows, args.scale)
+    if args.output:
+        with open(args.output, "w", encoding="utf-8") as f:
+            json.dump(result, f, indent=1)
+    sys.stdout.write(json.dumps(result, indent=1) + "\n" if args.json else render(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

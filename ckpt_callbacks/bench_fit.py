@@ -1,0 +1,114 @@
+"""The `fit` workload of `ckpt-callbacks bench`: Keras `model.fit` wall time with a full-state save
+every epoch, per checkpoint callback, against the same fit without one.
+
+Example::
+
+    from ckpt_callbacks import bench_fit, bench_workloads as bw
+    rows = bench_fit.run(bw.Context(root="/dev/shm/b", storage="tmpfs", scale=0.01, repeats=1), bw._row)
+
+Who calls what: `bench_workloads.run_fit` on the main thread of a bench process. Keras is imported
+here, lazily, with ``KERAS_BACKEND=jax`` (a Keras already imported on another backend, or a missing
+`ckpt_callbacks.keras`, turns the rows into "skipped: <reason>"). Variants: no callback,
+`ckpt_callbacks.keras.AsyncCheckpoint` (keep_last=2), ``keras.callbacks.ModelCheckpoint`` (a
+``.keras`` file with the optimizer, overwritten each epoch) and ``keras.callbacks.OrbaxCheckpoint``
+(max_to_keep=2) where present. Each variant builds the same model, warms up (compiles) on a few
+batches without a callback, then `fit` runs ``fit_epochs`` epochs into a fresh directory; the
+timed span includes `on_train_end` (which waits for the last save). Rounds alternate the variants
+so noise hits them alike; the best of ``repeats`` rounds is kept.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import time
+
+import numpy as np
+
+__all__ = ["run", "VARIANTS"]
+
+VARIANTS = ("none", "ckpt_callbacks", "keras-ModelCheckpoint", "keras-OrbaxCheckpoint")
+
+
+def _keras():
+    os.environ.setdefault("KERAS_BACKEND", "jax")
+    import keras
+    if keras.config.backend() != "jax":
+        raise RuntimeError(f"Keras runs on the {keras.config.backend()!r} backend (set KERAS_BACKEND=jax)")
+    return keras
+
+
+def _callback(keras, variant: str, d: str):
+    if variant == "none":
+        return []
+    if variant == "ckpt_callbacks":
+        from .keras import AsyncCheckpoint
+        return [AsyncCheckpoint(d, keep_last=2)]
+    if variant == "keras-ModelCheckpoint":
+        os.makedirs(d, exist_ok=True)
+        return [keras.callbacks.ModelCheckpoint(os.path.join(d, "model.keras"), save_freq="epoch")]
+    if not hasattr(keras.callbacks, "OrbaxCheckpoint"):
+        raise RuntimeError(f"keras {keras.__version__} has no keras.callbacks.OrbaxCheckpoint")
+    return [keras.callbacks.OrbaxCheckpoint(os.path.abspath(d), save_freq="epoch", max_to_keep=2)]
+
+
+def _model(keras, width: int, features: int, classes: int):
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((features,))]
+                             + [keras.layers.Dense(width, activation="relu") for _ in range(3)]
+                             + [keras.layers.Dense(classes)])
+    model.compile(optimizer=keras.optimizers.Adam(1e-4),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def run(ctx, row) -> list:
+    try:
+        keras = _keras()
+    except Exception as e:  # noqa: BLE001 - reported, not raised
+        return [row(ctx, "fit", v, case="", skipped=f"{type(e).__name__}: {e}") for v in VARIANTS]
+    width = max(16, int(round(2048 * math.sqrt(ctx.scale) / 16)) * 16)
+    features, classes, batch = 512, 10, 128
+    samples = max(2 * batch, int(round(4096 * ctx.scale / batch)) * batch)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((samples, features), np.float32)
+    y = rng.integers(0, classes, samples)
+    times: dict = {v: [] for v in VARIANTS}
+    skipped: dict = {}
+    state_bytes = files = 0
+    for r in range(ctx.repeats):
+        for v in VARIANTS:
+            if v in skipped:
+                continue
+            d = os.path.join(ctx.root, f"fit-{v}-{r}")
+            shutil.rmtree(d, ignore_errors=True)
+            try:
+                cbs = _callback(keras, v, d)
+            except Exception as e:  # noqa: BLE001 - e.g. ckpt_callbacks.keras not importable yet
+                skipped[v] = f"{type(e).__name__}: {e}"
+                continue
+            model = _model(keras, width, features, classes)
+            model.fit(x[:2 * batch], y[:2 * batch], batch_size=batch, epochs=1, verbose=0)  # compile
+            state_bytes = sum(int(np.prod(w.shape)) * np.dtype(w.dtype).itemsize for w in
+                              model.trainable_variables + model.optimizer.variables)
+            t0 = time.perf_counter()
+            model.fit(x, y, batch_size=batch, epochs=ctx.fit_epochs, verbose=0, callbacks=cbs, shuffle=False)
+            dt = time.perf_counter() - t0
+            times[v].append(dt)
+            if v == "ckpt_callbacks":
+                files = sum(len(fs) for _, _, fs in os.walk(d))
+            ctx.say(f"  fit/{ctx.storage} {v} #{r + 1}: {dt:.3f}s for {ctx.fit_epochs} epochs")
+            del model, cbs
+            shutil.rmtree(d, ignore_errors=True)
+    base = min(times["none"]) if times["none"] else None
+    rows = []
+    for v in VARIANTS:
+        if v in skipped:
+            rows.append(row(ctx, "fit", v, case="", skipped=skipped[v]))
+            continue
+        t = min(times[v])
+        rows.append(row(ctx, "fit", v, case=f"{ctx.fit_epochs} epochs", fit_s=t, bytes=state_bytes,
+                        overhead=(t / base - 1.0) if base else None, repeats=len(times[v]),
+                        samples=[round(s, 4) for s in times[v]], **({"files": files} if v == "ckpt_callbacks" else {})))
+    return rows

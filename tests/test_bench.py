@@ -1,0 +1,164 @@
+"""`ckpt-callbacks bench`: a tiny run of every workload and peer on tmpfs and disk, checked for
+every field and sane values (no timing asserts: speed is what the bench reports, not what tests
+assert), the child-process path of the console script, and the target verdicts on known rows."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from ckpt_callbacks import bench
+from ckpt_callbacks.bench_report import render, targets
+
+PEERS = ["ckpt_callbacks", "orbax", "flax-msgpack", "np.savez", "raw"]
+TINY = ["--scale", "0.001", "--repeats", "1", "--leak-saves", "3", "--fit-epochs", "1"]
+
+
+def _keras_callback_importable():
+    os.environ.setdefault("KERAS_BACKEND", "jax")
+    try:
+        import ckpt_callbacks.keras  # noqa: F401
+        return True
+    except Exception:  # noqa: BLE001
+        return False
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory, devices):
+    d = tmp_path_factory.mktemp("bench")
+    out = d / "bench.json"
+    rc = bench.main([*TINY, "--in-process", "--disk-dir", str(d / "disk"), "--output", str(out), "--json"])
+    assert rc == 0
+    return json.loads(out.read_text())
+
+
+def _rows(result, workload, storage):
+    return [r for r in result["rows"] if r["workload"] == workload and r["storage"] == storage]
+
+
+@pytest.mark.parametrize("storage", ["tmpfs", "disk"])
+@pytest.mark.parametrize("workload", ["big", "small"])
+def test_every_peer_saves_and_restores_correctly(result, workload, storage):
+    rows = {r["peer"]: r for r in _rows(result, workload, storage)}
+    assert sorted(rows) == sorted(PEERS)
+    nbytes = rows["ckpt_callbacks"]["bytes"]
+    assert nbytes > 0
+    for peer, r in rows.items():
+        assert not r.get("skipped"), (peer, r.get("skipped"))
+        assert r["correct"] is True, peer                   # restored bits equal the saved ones
+        assert r["bytes"] == nbytes and r["repeats"] == 1
+        assert 0 < r["blocking_s"] <= r["durable_s"], peer  # durable includes the blocking part
+        assert r["restore_s"] > 0 and r["peak_rss"] >= 0
+        assert r["files"] >= 1 and r["disk_bytes"] >= 0.8 * nbytes, peer   # orbax compresses a little
+        assert len(r["samples"]) == 1
+    assert rows["raw"]["disk_bytes"] == nbytes
+    ratios = [x for x in result["ratios"] if (x["workload"], x["storage"]) == (workload, storage)]
+    assert sorted(x["peer"] for x in ratios) == sorted(p for p in PEERS if p != "ckpt_callbacks")
+    for x in ratios:
+        assert all(x[k] > 0 for k in ("blocking_s", "durable_s", "restore_s"))
+    assert next(x for x in ratios if x["peer"] == "raw")["bandwidth_fraction"] > 0
+
+
+@pytest.mark.parametrize("storage", ["tmpfs", "disk"])
+def test_reshard_reports_bytes_read_against_bytes_needed(result, storage):
+    rows = _rows(result, "reshard", storage)
+    assert sorted((r["peer"], r["case"]) for r in rows) == sorted(
+        (p, c) for p in ("ckpt_callbacks", "orbax") for c in ("4x2 (same)", "2x4", "1 device"))
+    big = next(r for r in _rows(result, "big", storage) if r["peer"] == "ckpt_callbacks")
+    for r in rows:
+        assert r["correct"] is True and r["restore_s"] > 0
+        assert r["bytes_needed"] == big["bytes"]            # one process holds every shard of the target
+        assert r["bytes_read"] >= 0.8 * r["bytes_needed"]   # what was read from the files (rchar)
+        assert r["ts_bytes_read"] >= 0
+
+
+@pytest.mark.parametrize("storage", ["tmpfs", "disk"])
+def test_memory_reports_peak_budget_and_growth(result, storage):
+    rows = {r["case"]: r for r in _rows(result, "memory", storage)}
+    assert len(rows) == 3 and "no budget" in rows and rows["no budget"]["correct"] is True
+    leak = rows["3 saves"]
+    assert leak["repeats"] == 3 and leak["rss_first"] > 0 and leak["rss_last"] > 0
+    assert "growth_bytes" in leak and "slope_bytes_per_save" in leak
+    budget = next(r for c, r in rows.items() if c.startswith("budget"))
+    assert budget["budget"] >= 2**20 and budget["correct"] is True
+
+
+@pytest.mark.parametrize("storage", ["tmpfs", "disk"])
+def test_fit_compares_callbacks_against_no_callback(result, storage):
+    rows = {r["peer"]: r for r in _rows(result, "fit", storage)}
+    assert set(rows) == {"none", "ckpt_callbacks", "keras-ModelCheckpoint", "keras-OrbaxCheckpoint"}
+    assert rows["none"]["overhead"] == 0.0 and rows["none"]["fit_s"] > 0
+    if not _keras_callback_importable():
+        assert rows["ckpt_callbacks"]["skipped"]
+    else:
+        assert not rows["ckpt_callbacks"].get("skipped")
+        assert rows["ckpt_callbacks"]["files"] >= 1         # it really saved
+    for r in rows.values():
+        if not r.get("skipped"):
+            assert r["fit_s"] > 0 and r["bytes"] > 0 and r["overhead"] > -1
+
+
+def test_targets_and_table_cover_every_workload(result):
+    names = {t["target"] for t in result["targets"]}
+    for prefix in ("big: blocking", "big: save <= 1/3", "big: restore <= 1/3", "big: save bandwidth",
+                   "small: blocking", "small: save", "small: restore", "reshard -> 2x4: restore",
+                   "reshard -> 1 device: bytes read", "memory: peak during save <= 1.1x saved",
+                   "memory: peak during save <= 1.1x the budget", "memory: 3 saves without growth", "fit: overhead"):
+        assert any(n.startswith(prefix) for n in names), prefix
+    assert all(t["met"] in (True, False) and "note" in t for t in result["targets"])  # scale != 1 is noted
+    m = result["machine"]
+    assert m["cpus"] >= 1 and m["jax"] and "tmpfs_fs" in m and "disk_fs" in m
+    text = render(result)
+    for head in ("== big on tmpfs", "== small on disk", "== reshard on disk", "== memory on tmpfs",
+                 "== fit on disk", "== targets", "ours/peer blk/dur/rst", "read/needed", "overhead"):
+        assert head in text, head
+
+
+def _row(wl, st, peer, case="", **kw):
+    return {"workload": wl, "storage": st, "peer": peer, "case": case, **kw}
+
+
+def test_target_verdicts_on_known_rows():
+    rows = [_row("big", "tmpfs", "ckpt_callbacks", blocking_s=0.04, durable_s=1.0, restore_s=1.0),
+            _row("big", "tmpfs", "orbax", blocking_s=0.02, durable_s=3.3, restore_s=2.7),
+            _row("big", "disk", "ckpt_callbacks", blocking_s=0.06, durable_s=3.0, restore_s=1.0),
+            _row("big", "disk", "raw", blocking_s=2.8, durable_s=2.8, restore_s=1.0),
+            _row("memory", "disk", "ckpt_callbacks", "no budget", peak_rss=110, bytes=100),
+            _row("memory", "disk", "ckpt_callbacks", "budget 1 MiB", peak_rss=120, bytes=400, budget=100),
+            _row("memory", "disk", "ckpt_callbacks", "100 saves", bytes=2**30, growth_bytes=200 * 2**20),
+            _row("fit", "disk", "ckpt_callbacks", "5 epochs", overhead=0.099)]
+    got = {(t["target"], t["storage"]): t["met"] for t in targets(rows)}
+    assert got == {
+        ("big: blocking <= max(Orbax's, 50 ms)", "tmpfs"): True,      # 40 ms <= max(20 ms, 50 ms)
+        ("big: save <= 1/3 of Orbax's", "tmpfs"): True,               # 1.0 <= 1.1
+        ("big: restore <= 1/3 of Orbax's", "tmpfs"): False,           # 1.0 > 0.9
+        ("big: blocking <= max(Orbax's, 50 ms)", "disk"): False,      # no Orbax row: 50 ms
+        ("big: save bandwidth >= 0.9x raw write+fsync", "disk"): True,  # 2.8 / 3.0 = 0.93
+        ("memory: peak during save <= 1.1x saved bytes", "disk"): True,
+        ("memory: peak during save <= 1.1x the budget (budget 1 MiB)", "disk"): False,
+        ("memory: 100 saves without growth (<= 102 MiB)", "disk"): False,
+        ("fit: overhead <= 10%", "disk"): True,
+    }
+
+
+def test_console_script_runs_each_cell_in_a_child_with_8_devices(tmp_path):
+    """The default path: `ckpt-callbacks bench` spawns a child per workload and storage."""
+    exe = os.path.join(os.path.dirname(sys.executable), "ckpt-callbacks")
+    cmd = [exe] if os.path.exists(exe) else [sys.executable, "-m", "ckpt_callbacks.cli"]
+    p = subprocess.run(cmd + ["bench", "--workloads", "reshard", "--peers", "ckpt_callbacks", "--storage", "disk",
+                              "--disk-dir", str(tmp_path), "--scale", "0.001", "--repeats", "1", "--json"],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    got = json.loads(p.stdout)
+    cases = {r["case"]: r for r in got["rows"]}
+    assert set(cases) == {"4x2 (same)", "2x4", "1 device"}      # the 2x4 mesh needs the 8 devices
+    assert all(r["correct"] for r in cases.values())
+    assert got["command"].startswith("ckpt-callbacks bench --workloads reshard")
+
+
+def test_bad_options_are_refused(capsys):
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--workloads", "big,nope"])
+    assert e.value.code == 2 and "nope" in capsys.readouterr().err
