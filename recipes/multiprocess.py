@@ -38,7 +38,6 @@ def worker(cfg, pid: int, nprocs: int, port: int, stop_at: int) -> None:
     jax.config.update("jax_num_cpu_devices", t["devices_per_process"])
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(f"127.0.0.1:{port}", nprocs, pid, initialization_timeout=60)
-    import jax.numpy as jnp
     import numpy as np
     import optax
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
