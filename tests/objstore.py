@@ -38,7 +38,7 @@ import uuid
 import pytest
 
 __all__ = ["Emulator", "Bucket", "objstore_env", "s3_server", "gcs_server", "objstore", "BUCKET",
-           "SECRETS", "free_port"]
+           "SECRETS", "free_port", "two_process_save"]
 
 BUCKET = "ckpt-test"
 BIN = os.path.dirname(sys.executable)
@@ -288,3 +288,24 @@ def gcs_server(objstore_env):
 def objstore(request, objstore_env) -> Bucket:
     """A fresh, empty prefix on the S3 server, then on the GCS server."""
     return Bucket(objstore_env[request.param], f"t{next(_counter)}-{uuid.uuid4().hex[:8]}")
+
+
+def two_process_save(url: str) -> dict:
+    """Run in each of 2 `jax.distributed` processes (tests/multiproc.py): save steps 1 and 2 of
+    tests/multihost_worker.py's tree to `url` with KeepLast(1), then restore step 2 back."""
+    import jax
+
+    import ckpt_callbacks as cc
+    import multihost_worker as mw
+
+    pi = jax.process_index()
+    m = mw.mesh((2, 4))
+    with cc.CheckpointManager(url, retention=cc.KeepLast(1), timeout_s=60) as mngr:
+        written = []
+        for step in (1, 2):
+            mngr.save(step, mw.make_tree(mw.global_values(step), m, seed=step), host_state={"pos": 10 * step + pi})
+            mngr.wait_until_finished()
+            written.append(mngr.last_stats.bytes_written)
+        return {"process_index": pi, "steps": mngr.all_steps(), "bytes_written": written,
+                "restore": mw.check(mngr.restore(target=mw.abstract(m, seed=2)), seed=2),
+                "host_state": mngr.host_state()}

@@ -288,3 +288,56 @@ def test_no_endpoint_or_credential_in_objects_logs_or_errors(objstore, caplog, c
         assert s not in str(info.value), s
         assert s not in "\n".join(r.getMessage() for r in caplog.records), s
         assert s not in err, s
+
+
+def test_two_process_save_to_s3_writes_one_marker(s3_server):
+    from multiproc import launch
+
+    import multihost_worker as mw
+    from objstore import Bucket
+
+    bucket = Bucket(s3_server, f"two-proc-{os.getpid()}")
+    res = launch("objstore:two_process_save", 2, devices_per_process=4, args={"url": bucket.url}, timeout_s=240)
+    assert all(r.ok for r in res), "\n".join(f"{r.process_index}: {r.error}\n{r.traceback}\n{r.output[-2000:]}"
+                                              for r in res)
+    for pi, r in enumerate(res):
+        assert r.result["steps"] == [2] and r.result["restore"] == []
+        assert r.result["host_state"] == {"pos": 20 + pi}
+        assert all(n > 0 for n in r.result["bytes_written"])     # both processes wrote shards
+    keys = bucket.keys()
+    assert [k for k in keys if not k.startswith("step_0000000002/")] == ["commits/step_0000000002"]
+    assert {"step_0000000002/host/p0.msgpack", "step_0000000002/host/p1.msgpack"} <= set(keys)
+    # the pytest process (1 process x 8 devices) restores what 2 x 4 wrote, bit-exactly
+    m = mw.mesh((4, 2))
+    restored = cc.CheckpointManager(bucket.url, read_only=True).restore(target=mw.abstract(m, seed=2))
+    assert mw.check(restored, seed=2) == []
+
+
+def test_cli_lists_verifies_and_collects_an_object_store(objstore, capsys):
+    from ckpt_callbacks import cli
+
+    with cc.CheckpointManager(objstore.url) as m:
+        for step in (1, 2, 3):
+            m.save(step, tree_at(step), metrics={"loss": 1.0 / step})
+    objstore.write("pending/step_0000000004", _record("other-host", 1, 3 * 3600))   # a stale leftover
+    objstore.write("step_0000000004/manifest.msgpack", b"partial")
+    assert cli.main(["ls", objstore.url]) == 0
+    listing = capsys.readouterr().out
+    assert all(f"{s}" in listing for s in (1, 2, 3))
+    assert cli.main(["verify", objstore.url]) == 0
+    assert cli.main(["gc", objstore.url, "--keep-last", "1", "--remove-partial"]) == 0
+    capsys.readouterr()
+    assert open_store(objstore.url).committed_steps() == [3]
+    assert {k.split("/")[0] for k in objstore.keys()} == {"commits", "step_0000000003"}
+
+
+def test_force_resave_replaces_a_committed_step_without_stale_objects(objstore):
+    with cc.CheckpointManager(objstore.url, async_save=False) as m:
+        m.save(1, {"a": np.arange(300_000, dtype=np.float32), "b": np.ones(3)})
+        before = step_keys(objstore.keys(), 1)
+        assert not m.save(1, {"c": np.zeros(2)})                       # committed: skipped
+        assert m.save(1, {"c": np.zeros(2, np.int8)}, force=True)      # replaced
+        assert_tree_equal(m.restore(1), {"c": np.zeros(2, np.int8)})
+    after = step_keys(objstore.keys(), 1)
+    assert any(k.startswith("arrays/") for k in before) and not any(k.startswith("arrays/") for k in after)
+    assert objstore.keys() == ["commits/step_0000000001"] + [f"step_0000000001/{k}" for k in after]
