@@ -381,6 +381,9 @@ def _main(argv, out) -> int:
         store = open_store(args.directory)
         return {"ls": cmd_ls, "inspect": cmd_inspect, "verify": cmd_verify, "gc": cmd_gc,
                 "timeline": cmd_timeline}[args.cmd](args, store, out)
+    except BrokenPipeError:   # `ckpt-callbacks inspect DIR | head`: the reader left; stop quietly
+        sys.stdout = open(os.devnull, "w")
+        return 0
     except (CheckpointError, ValueError, OSError) as e:
         sys.stderr.write(f"ckpt-callbacks {args.cmd}: {type(e).__name__}: {e}\n")
         return 1
