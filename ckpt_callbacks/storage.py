@@ -165,9 +165,14 @@ class LocalStore(Store):
                         pass
                 _fsync_path(dirpath, directory=True)
 
+    def _sync_dirs(self, rel: str) -> None:
+        """fsync every directory of a staging tree (the writers fsynced their own files)."""
+        for dirpath, _, _ in os.walk(self.path(rel)):
+            _fsync_path(dirpath, directory=True)
+
     def publish(self, staging: str, step: int, replace: bool = False) -> None:
         final = self.path(fmt.step_name(step))
-        self.sync([staging])
+        self._sync_dirs(staging)
         old = None
         if os.path.exists(final):
             if not replace:

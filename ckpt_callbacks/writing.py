@@ -53,6 +53,7 @@ class SaveStats:
     bytes_total: int        # unique bytes of the tree (all processes)
     files: int              # files/objects written by this process
     process_index: int = 0
+    peak_staging_bytes: int = 0  # most bytes of copies held at once by this process
     gc_s: float = 0.0
     deleted: tuple = ()
 
@@ -145,7 +146,8 @@ def write_and_commit(store: Store, step: int, snap: Snapshot, items, *, coord: C
     return SaveStats(step=step, started=time.time() - (now - snap.started), blocking_s=snap.blocking_s,
                      write_s=t_written - snap.started - snap.blocking_s, commit_s=now - t_written,
                      total_s=now - snap.started, bytes_written=written, bytes_total=snap.bytes_total,
-                     files=files + (1 if pi == 0 else 0), process_index=pi)
+                     files=files + (1 if pi == 0 else 0), process_index=pi,
+                     peak_staging_bytes=budget.peak if budget else 0)
 
 
 def _abort(store: Store, staging: str | None) -> None:
@@ -182,13 +184,18 @@ def _drain(items, budget):
 
 def _open_arrays(store, staging, snap, coord, timeout_s, barrier_name) -> dict:
     recs = snap.records
+    # local files: tensorstore need not fsync each chunk as it lands; `store.sync` fsyncs every file
+    # this process wrote once all are written (one pass, before the commit)
+    ctx = ts.Context({"file_io_sync": False}) if store.local else None
     if coord.process_index == 0:
-        futs = {i: ts.open(zarr_spec(store, f"{staging}/{recs[i]['z']}", recs[i]), create=True, open=True)
+        futs = {i: ts.open(zarr_spec(store, f"{staging}/{recs[i]['z']}", recs[i]), create=True, open=True,
+                           context=ctx)
                 for i in snap.array_leaves}
         arrays = {i: f.result() for i, f in futs.items()}
     coord.barrier(barrier_name, timeout_s) if coord.process_count > 1 else None
     if coord.process_index != 0:
-        futs = {i: ts.open(zarr_spec(store, f"{staging}/{recs[i]['z']}", recs[i]), open=True, assume_metadata=True)
+        futs = {i: ts.open(zarr_spec(store, f"{staging}/{recs[i]['z']}", recs[i]), open=True, assume_metadata=True,
+                           context=ctx)
                 for i in snap.array_leaves}
         arrays = {i: f.result() for i, f in futs.items()}
     return arrays
@@ -242,7 +249,8 @@ def _consume(store, staging, snap, items, arrays, budget):
         w = item[1]
         rec = snap.records[w.leaf]
         data = _to_storage(np.asarray(w.data), rec["dt"])
-        fut = arrays[w.leaf][tuple(slice(a, b) for a, b in w.box)].write(data)
+        # the copy is ours and never changes: tensorstore may keep it instead of copying it again
+        fut = arrays[w.leaf][tuple(slice(a, b) for a, b in w.box)].write(data, can_reference_source_data_indefinitely=True)
         if budget:
             fut.add_done_callback(released(w.nbytes))
         futures.append(fut)

@@ -1,0 +1,178 @@
+"""The async save lifecycle: donation-safe snapshots, one save in flight, failures surfaced,
+durable atomic commits, bounded staging memory, phase timings."""
+
+import functools
+import os
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import ckpt_callbacks as cc
+from ckpt_callbacks import storage
+from helpers import assert_tree_equal
+
+
+def sharded_state(seed=0):
+    mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("a", "b"))
+    k = jax.random.key(seed)
+    return {"w": jax.device_put(jax.random.normal(k, (512, 1024)), NamedSharding(mesh, P("a", "b"))),
+            "b": jax.device_put(jnp.arange(8.0), NamedSharding(mesh, P())),
+            "count": jnp.int32(0)}
+
+
+def test_donated_state_after_save_is_still_saved_exactly(ckdir):
+    @functools.partial(jax.jit, donate_argnums=0)
+    def step(state):
+        return jax.tree.map(lambda x: x * 2 + 1, state)
+
+    state = sharded_state()
+    expected = jax.tree.map(np.asarray, state)
+    with cc.CheckpointManager(ckdir) as m:
+        m.save(1, state)
+        for _ in range(3):              # donation deletes the buffers the save was given
+            state = step(state)
+        assert state["w"].is_deleted() is False
+        m.wait_until_finished()
+        out = m.restore(1)
+    assert_tree_equal(out, expected)
+
+
+def test_numpy_mutated_after_save_does_not_leak(ckdir):
+    a = np.zeros((700, 700), np.float32)          # > 1 MiB: a zarr array
+    small = np.zeros(10, np.int64)
+    with cc.CheckpointManager(ckdir) as m:
+        m.save(1, {"a": a, "small": small})
+        a += 5
+        small += 7
+        m.wait_until_finished()
+        out = m.restore(1)
+    assert not out["a"].any() and not out["small"].any()
+
+
+class Faulty(storage.LocalStore):
+    """A local store whose writes fail (an injected storage fault) while `fail` is set."""
+
+    fail = False
+
+    def write(self, rel, data):
+        if self.fail:
+            raise OSError(28, "No space left on device (injected)")
+        return super().write(rel, data)
+
+
+def test_background_failure_surfaces_on_next_call_and_nothing_partial_is_listed(ckdir, caplog):
+    m = cc.CheckpointManager(ckdir)
+    m.store = Faulty(ckdir)
+    m.save(1, {"x": np.ones(3)})
+    m.wait_until_finished()
+    m.store.fail = True
+    assert m.save(2, {"x": np.ones(3)}) is True      # async: the failure happens in the background
+    with pytest.raises(cc.CheckpointSaveError, match="injected"):
+        m.save(3, {"x": np.ones(3)})                  # ... and surfaces from the next call
+    assert m.all_steps() == [1]
+    assert [n for n in os.listdir(ckdir) if ".tmp-" in n] == []
+    m.save(4, {"x": np.ones(3)})                      # this one started: it fails too
+    with pytest.raises(cc.CheckpointSaveError):
+        m.wait_until_finished()
+    m.save(5, {"x": np.ones(3)})
+    with pytest.raises(cc.CheckpointSaveError):
+        m.close()
+    m.store.fail = False
+    with cc.CheckpointManager(ckdir) as m2:
+        assert m2.all_steps() == [1]
+        m2.save(6, {"x": np.ones(3)})
+    assert cc.CheckpointManager(ckdir, read_only=True).all_steps() == [1, 6]
+
+
+def test_failed_fsync_aborts_and_is_not_retried(ckdir, monkeypatch):
+    calls = []
+    real = os.fsync
+
+    def bad_fsync(fd):
+        calls.append(fd)
+        raise OSError(5, "Input/output error (injected)")
+
+    with cc.CheckpointManager(ckdir, async_save=False) as m:
+        m.save(1, {"x": np.ones(3)})
+        monkeypatch.setattr(os, "fsync", bad_fsync)
+        with pytest.raises(cc.CheckpointSaveError, match="Input/output error"):
+            m.save(2, {"x": np.ones(300_000)})
+        monkeypatch.setattr(os, "fsync", real)
+        assert len(calls) == 1                        # the first failure aborted the save
+        assert m.all_steps() == [1]
+        m.save(3, {"x": np.ones(3)})
+        assert m.all_steps() == [1, 3]
+
+
+def test_one_save_in_flight(ckdir):
+    order = []
+
+    class Slow(storage.LocalStore):
+        def publish(self, staging, step, replace=False):
+            order.append(("publish-start", step))
+            time.sleep(0.3)
+            super().publish(staging, step, replace)
+            order.append(("publish-end", step))
+
+    with cc.CheckpointManager(ckdir) as m:
+        m.store = Slow(ckdir)
+        m.save(1, {"x": np.ones(3)})
+        m.save(2, {"x": np.ones(3)})
+        order.append(("save2-returned", 2))
+        m.wait_until_finished()
+    assert order.index(("publish-end", 1)) < order.index(("save2-returned", 2))
+    assert order.index(("publish-end", 1)) < order.index(("publish-start", 2))
+
+
+def test_commit_is_atomic_rename_with_fsyncs(ckdir, monkeypatch):
+    synced, renamed = [], []
+    real_fsync, real_rename = os.fsync, os.rename
+
+    def fsync(fd):
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        return real_fsync(fd)
+
+    def rename(a, b):
+        renamed.append((a, b, list(synced)))
+        return real_rename(a, b)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "rename", rename)
+    with cc.CheckpointManager(ckdir, async_save=False) as m:
+        m.save(1, {"w": np.ones((600, 600), np.float32), "s": np.ones(3)})
+    (src, dst, before), = [r for r in renamed if "step_" in r[1]]
+    assert ".tmp-" in src and dst.endswith("step_0000000001")
+    assert any(p.endswith("manifest.msgpack") for p in before)       # files synced before the rename
+    assert any("/arrays/" in p and "/c/" in p for p in before)
+    assert any(p == src for p in before)                              # the new directory too
+    assert synced[-1] == os.path.abspath(ckdir)                       # then the parent directory
+
+
+def test_staging_memory_is_bounded_by_the_budget(ckdir):
+    tree = {f"w{i}": np.full((512, 1024), i, np.float32) for i in range(8)}   # 8 x 2 MiB
+    budget = 5 << 20
+    with cc.CheckpointManager(ckdir, max_staging_bytes=budget) as m:
+        m.save(1, tree)
+        m.wait_until_finished()
+        stats = m.last_stats
+        out = m.restore(1)
+    assert_tree_equal(out, tree)
+    assert stats.bytes_total == 8 * (2 << 20)
+    assert stats.peak_staging_bytes <= budget
+
+
+def test_phase_timings_are_reported(ckdir):
+    with cc.CheckpointManager(ckdir) as m:
+        m.save(1, sharded_state())
+        m.wait_until_finished()
+        s = m.last_stats
+    assert s.step == 1 and s.bytes_total == 512 * 1024 * 4 + 8 * 4 + 4
+    assert 0 <= s.blocking_s <= s.total_s and s.write_s >= 0 and s.commit_s >= 0
+    assert abs(s.blocking_s + s.write_s + s.commit_s - s.total_s) < 1e-3
+    assert s.files >= 3 and s.started <= time.time()
+    assert set(s.as_dict()) >= {"blocking_s", "write_s", "commit_s", "total_s", "bytes_total", "files"}
