@@ -263,3 +263,23 @@ def test_other_backends_are_refused(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], env={**ENV, "KERAS_BACKEND": "numpy"}, cwd=tmp_path,
                          capture_output=True, text=True, timeout=120)
     assert "refused: AsyncCheckpoint needs the JAX backend" in out.stdout and "'numpy'" in out.stdout, out.stderr
+
+
+def test_background_write_failure_is_raised_by_fit_at_train_end(ckdir):
+    """Keras swallows nothing of ours: the failed last save surfaces from model.fit itself."""
+    from ckpt_callbacks import storage
+
+    class Failing(storage.LocalStore):
+        def write(self, rel, data):
+            raise OSError(28, "No space left on device (injected)")
+
+    class Inject(keras.callbacks.Callback):
+        def on_train_begin(self, logs=None):
+            cb.manager.store = Failing(cb.manager.store.root)
+
+    model = _model()
+    x, y, val = _data()
+    cb = AsyncCheckpoint(ckdir)
+    with pytest.raises(cc.CheckpointSaveError, match="injected"):
+        model.fit(x, y, validation_data=val, epochs=1, batch_size=16, verbose=0, callbacks=[cb, Inject()])
+    assert cc.CheckpointManager(ckdir, read_only=True).all_steps() == []
