@@ -51,7 +51,10 @@ def main(argv=None) -> int:
     interval = "save_interval_steps" in (cfg.raw.get("checkpoint") or {})
     cb = AsyncCheckpoint(c.directory, save_freq=c.save_interval_steps if interval else "epoch",
                          monitor="val_accuracy", mode="max", retention=c.policies, resume=c.resume is not None,
-                         async_save=c.async_save, max_staging_bytes=c.max_staging_bytes, verbose=1)
+                         async_save=c.async_save, max_staging_bytes=c.max_staging_bytes, verbose=1,
+                         # numpy input: a mid-epoch resume restarts that epoch (exact mid-epoch resume needs
+                         # a ResumableDataset, docs/keras.md); irrelevant when saving every epoch
+                         data=False if interval else None)
     hist = model.fit(xtr, ytr, validation_data=(xva, yva), batch_size=t["batch_size"], epochs=t["epochs"],
                      shuffle=True, callbacks=[cb], verbose=2)
     import ckpt_callbacks as cc
