@@ -122,7 +122,9 @@ def _cell(args, argv, workload: str, storage: str, base: str) -> list:
             return WORKLOADS[workload](_context(args, root, storage))
         out = os.path.join(root, "rows.json")
         cmd = [sys.executable, "-m", "ckpt_callbacks.bench", *argv, "--child", workload, storage, root, out]
-        env = dict(os.environ, JAX_PLATFORMS="cpu")
+        # a fixed mmap threshold: glibc otherwise raises it after large frees and keeps freed
+        # buffers in the heap, so a later save's RSS peak would hide inside an earlier one's
+        env = dict(os.environ, JAX_PLATFORMS="cpu", MALLOC_MMAP_THRESHOLD_="131072")
         rc = subprocess.call(cmd, env=env)
         if rc != 0 or not os.path.exists(out):
             return [{"workload": workload, "storage": storage, "peer": ENGINE, "case": "",
@@ -149,6 +151,16 @@ def machine(dirs: dict) -> dict:
             info[f"{storage}_fs"] = f"{mp.fstype} {mp.device} at {mp.mountpoint}"
         except ValueError:
             pass
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:  # the engine measured: commit, and whether its files differ from it
+        rev = subprocess.run(["git", "-C", here, "rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "-C", here, "status", "--porcelain", "--", "."], capture_output=True,
+                               text=True, timeout=10).stdout.split()
+        info["engine"] = f"{rev}{' + uncommitted changes' if dirty else ''}" if rev else "not a git checkout"
+    except (OSError, subprocess.SubprocessError):
+        info["engine"] = "not a git checkout"
+    info["engine_path"] = here
     from importlib import metadata
     for pkg in ("jax", "tensorstore", "orbax-checkpoint", "flax", "keras", "numpy"):
         try:

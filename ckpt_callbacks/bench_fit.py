@@ -68,9 +68,9 @@ def run(ctx, row) -> list:
         keras = _keras()
     except Exception as e:  # noqa: BLE001 - reported, not raised
         return [row(ctx, "fit", v, case="", skipped=f"{type(e).__name__}: {e}") for v in VARIANTS]
-    width = max(16, int(round(2048 * math.sqrt(ctx.scale) / 16)) * 16)
+    width = max(16, int(round(1024 * math.sqrt(ctx.scale) / 16)) * 16)
     features, classes, batch = 512, 10, 128
-    samples = max(2 * batch, int(round(4096 * ctx.scale / batch)) * batch)
+    samples = max(2 * batch, int(round(2048 * ctx.scale / batch)) * batch)
     rng = np.random.default_rng(0)
     x = rng.standard_normal((samples, features), np.float32)
     y = rng.integers(0, classes, samples)
