@@ -83,7 +83,7 @@ def test_package_imports_without_orbax_or_pickle():
         "for m in [k for k in sys.modules if k.split('.')[0] in ('orbax',)]: del sys.modules[m]\n"
         "import ckpt_callbacks\n"
         "for mod in pkgutil.iter_modules(ckpt_callbacks.__path__):\n"
-        "    if mod.name in ('bench',): continue\n"
+        "    if mod.name.startswith('bench'): continue\n"
         "    importlib.import_module('ckpt_callbacks.' + mod.name)\n"
         "assert not [k for k in sys.modules if k.startswith('orbax')]\n"
         "print('ok')\n")
@@ -93,6 +93,8 @@ def test_package_imports_without_orbax_or_pickle():
     src = os.path.dirname(cc.__file__)
     for name in os.listdir(src):
         if name.endswith(".py"):
-            text = open(os.path.join(src, name)).read()
-            assert "import pickle" not in text and "cloudpickle" not in text and "import orbax" not in text.replace(
-                "# peer", "") or name == "bench.py", name
+            lines = open(os.path.join(src, name)).read().splitlines()
+            imports = [l.strip() for l in lines if l.strip().startswith(("import ", "from "))]
+            assert not [l for l in imports if "pickle" in l], name             # nowhere, benchmarks included
+            if not name.startswith("bench"):                                  # Orbax: only as a benchmark peer
+                assert not [l for l in imports if l.split()[1].startswith("orbax")], name
