@@ -74,6 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the results as JSON instead of tables")
     p.add_argument("--output", help="also write the JSON results to this file")
     p.add_argument("--in-process", action="store_true", help="run every workload in this process")
+    p.add_argument("--cell-timeout", type=float, default=3600.0,
+                   help="seconds a workload may take on one storage before its child is killed")
     p.add_argument("--child", nargs=4, metavar=("WORKLOAD", "STORAGE", "DIR", "OUT"), help=argparse.SUPPRESS)
     return p
 
@@ -108,9 +110,10 @@ def _run_child(args) -> int:
         sys.stderr.write("ckpt-callbacks bench: the child needs 8 CPU devices (JAX started already)\n")
         return 2
     from .bench_workloads import WORKLOADS
-    rows = WORKLOADS[workload](_context(args, root, storage))
-    with open(out, "w", encoding="utf-8") as f:
-        json.dump(rows, f)
+    with open(out, "w", encoding="utf-8") as f:   # one JSON row per line, as each is measured
+        for row in WORKLOADS[workload](_context(args, root, storage)):
+            f.write(json.dumps(row) + "\n")
+            f.flush()
     return 0
 
 
@@ -119,18 +122,25 @@ def _cell(args, argv, workload: str, storage: str, base: str) -> list:
     try:
         if args.in_process:
             from .bench_workloads import WORKLOADS
-            return WORKLOADS[workload](_context(args, root, storage))
-        out = os.path.join(root, "rows.json")
+            return list(WORKLOADS[workload](_context(args, root, storage)))
+        out = os.path.join(root, "rows.jsonl")
         cmd = [sys.executable, "-m", "ckpt_callbacks.bench", *argv, "--child", workload, storage, root, out]
         # a fixed mmap threshold: glibc otherwise raises it after large frees and keeps freed
         # buffers in the heap, so a later save's RSS peak would hide inside an earlier one's
         env = dict(os.environ, JAX_PLATFORMS="cpu", MALLOC_MMAP_THRESHOLD_="131072")
-        rc = subprocess.call(cmd, env=env)
-        if rc != 0 or not os.path.exists(out):
-            return [{"workload": workload, "storage": storage, "peer": ENGINE, "case": "",
-                     "skipped": f"the bench child process failed (exit status {rc}); see stderr"}]
-        with open(out, encoding="utf-8") as f:
-            return json.load(f)
+        try:
+            rc = subprocess.call(cmd, env=env, timeout=args.cell_timeout)
+            why = f"the bench child process failed (exit status {rc}); see stderr"
+        except subprocess.TimeoutExpired:
+            rc, why = None, (f"did not finish within --cell-timeout {args.cell_timeout:g} s (a hang?); "
+                             f"rows measured before are kept")
+        rows = []
+        if os.path.exists(out):
+            with open(out, encoding="utf-8") as f:
+                rows = [json.loads(ln) for ln in f if ln.strip()]
+        if rc != 0:
+            rows.append({"workload": workload, "storage": storage, "peer": ENGINE, "case": "rest", "skipped": why})
+        return rows
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

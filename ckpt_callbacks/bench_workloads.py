@@ -1,13 +1,14 @@
-"""The workloads of `ckpt-callbacks bench`: each returns result rows (dicts) for one storage directory.
+"""The workloads of `ckpt-callbacks bench`: each yields result rows (dicts) for one storage directory.
 
 Example (what `ckpt_callbacks.bench` runs, in a process with 8 CPU devices)::
 
     from ckpt_callbacks import bench_workloads as bw
     ctx = bw.Context(root="/dev/shm/b", storage="tmpfs", scale=0.01, repeats=1)
-    rows = bw.WORKLOADS["big"](ctx)     # [{"workload": "big", "peer": "orbax", "blocking_s": ...}, ...]
+    rows = list(bw.WORKLOADS["big"](ctx))  # [{"workload": "big", "peer": "orbax", "blocking_s": ...}, ...]
 
 Who calls what: `bench.main` (or its child process, one per workload and storage) builds a `Context`
-and calls one workload function on the main thread; it creates and removes directories under
+and iterates one workload generator on the main thread (a row is yielded as soon as it is
+measured, so a hang later loses no earlier row); it creates and removes directories under
 ``ctx.root`` only. Every measured save gets fresh arrays (``base + k`` under jit), because
 `np.asarray` caches a host copy on a jax.Array and re-saving the same arrays measures nothing
 (DESIGN.md §3.1). Timings: ``blocking_s`` = time inside ``save``; ``durable_s`` = from the call until
@@ -193,34 +194,31 @@ def measure_raw(ctx, workload: str, nbytes: int) -> dict:
 
 
 def _peers(ctx, base, target, workload):
-    rows = []
     for name in ctx.peers:
         if name == "raw":
-            rows.append(measure_raw(ctx, workload, tree_bytes(base)))
+            yield measure_raw(ctx, workload, tree_bytes(base))
         else:
-            rows.append(measure(ctx, workload, name, base, target))
-    return rows
+            yield measure(ctx, workload, name, base, target)
 
 
 # -- workloads ---------------------------------------------------------------------------------
-def run_big(ctx: Context) -> list:
+def run_big(ctx: Context):
     base = big_tree(ctx.scale)
-    return _peers(ctx, base, abstract(base), "big")
+    yield from _peers(ctx, base, abstract(base), "big")
 
 
-def run_small(ctx: Context) -> list:
+def run_small(ctx: Context):
     base = small_tree(ctx.scale)
-    return _peers(ctx, base, abstract(base), "small")
+    yield from _peers(ctx, base, abstract(base), "small")
 
 
-def run_reshard(ctx: Context) -> list:
+def run_reshard(ctx: Context):
     """Save big once per peer (4x2 mesh), then restore it onto 4x2, 2x4 and one device (cold)."""
     base = big_tree(ctx.scale)
     P = jax.sharding.PartitionSpec
     targets = {"4x2 (same)": abstract(base),
                "2x4": abstract(base, jax.sharding.NamedSharding(_mesh((2, 4)), P("x", "y"))),
                "1 device": abstract(base, jax.sharding.SingleDeviceSharding(jax.devices()[0]))}
-    rows = []
     check = sorted(base)[0]
     for name in [p for p in ctx.peers if p in ("ckpt_callbacks", "orbax")]:
         d = os.path.join(ctx.root, f"{name}-reshard")
@@ -228,7 +226,7 @@ def run_reshard(ctx: Context) -> list:
         try:
             peer = bp.PEERS[name](d)
         except bp.Unavailable as e:
-            rows.append(_row(ctx, "reshard", name, case="", skipped=str(e)))
+            yield _row(ctx, "reshard", name, case="", skipped=str(e))
             continue
         try:
             tree = fresh(base, 1)
@@ -255,28 +253,19 @@ def run_reshard(ctx: Context) -> list:
                             f"read {(b1 - b0) / MiB:.0f} MiB")
                 best = _best(samples, tree_bytes(base))
                 best.pop("peak_rss")
-                rows.append(_row(ctx, "reshard", name, case=case, bytes_read=min(s["bytes_read"] for s in samples),
-                                 ts_bytes_read=min(s["ts_bytes_read"] for s in samples),
-                                 bytes_needed=needed_bytes(target), **best))
+                yield _row(ctx, "reshard", name, case=case, bytes_read=min(s["bytes_read"] for s in samples),
+                           ts_bytes_read=min(s["ts_bytes_read"] for s in samples),
+                           bytes_needed=needed_bytes(target), **best)
         finally:
             peer.close()
             shutil.rmtree(d, ignore_errors=True)
-    return rows
 
 
-def run_memory(ctx: Context) -> list:
-    """Peak host RSS of one big save (no budget, and a budget of 1/4 of it); then `leak_saves`
-    consecutive saves of a 16x smaller tree (fresh arrays each, KeepLast(2)): RSS growth."""
+def run_memory(ctx: Context):
+    """`leak_saves` consecutive saves of a 16x smaller tree than big (fresh arrays each,
+    KeepLast(2)): RSS growth; then the peak host RSS of one big save without a staging budget
+    and with a budget of 1/4 of its bytes (last: a save that hangs on the budget loses no row)."""
     from .retention import KeepLast
-    base = big_tree(ctx.scale)
-    nbytes = tree_bytes(base)
-    budget = max(MiB, nbytes // 4)
-    rows = [measure(ctx, "memory", "ckpt_callbacks", base, abstract(base), case="no budget"),
-            measure(ctx, "memory", "ckpt_callbacks", base, abstract(base), case=f"budget {budget // MiB} MiB",
-                    options={"max_staging_bytes": budget})]
-    rows[-1]["budget"] = budget
-    del base
-    gc.collect()
     small = big_tree(ctx.scale, full=1024)
     import psutil
     proc = psutil.Process()
@@ -303,15 +292,22 @@ def run_memory(ctx: Context) -> list:
     slope = float(np.polyfit(np.arange(n - w), np.asarray(rss[w:], float), 1)[0]) if n - w >= 2 else 0.0
     ctx.say(f"  memory/{ctx.storage} {n} saves of {tree_bytes(small) / MiB:.0f} MiB: RSS {early / MiB:.0f} -> "
             f"{late / MiB:.0f} MiB, slope {slope / 1024:.1f} KiB/save")
-    rows.append(_row(ctx, "memory", "ckpt_callbacks", case=f"{n} saves", bytes=tree_bytes(small),
-                     durable_s=float(np.median(durable)), growth_bytes=late - early, slope_bytes_per_save=slope,
-                     rss_first=rss[0], rss_last=rss[-1], repeats=n))
-    return rows
+    yield _row(ctx, "memory", "ckpt_callbacks", case=f"{n} saves", bytes=tree_bytes(small),
+               durable_s=float(np.median(durable)), growth_bytes=late - early, slope_bytes_per_save=slope,
+               rss_first=rss[0], rss_last=rss[-1], repeats=n)
+    del small
+    gc.collect()
+    base = big_tree(ctx.scale)
+    budget = max(MiB, tree_bytes(base) // 4)
+    yield measure(ctx, "memory", "ckpt_callbacks", base, abstract(base), case="no budget")
+    row = measure(ctx, "memory", "ckpt_callbacks", base, abstract(base), case=f"budget {budget // MiB} MiB",
+                  options={"max_staging_bytes": budget})
+    yield dict(row, budget=budget)
 
 
-def run_fit(ctx: Context) -> list:
+def run_fit(ctx: Context):
     from . import bench_fit
-    return bench_fit.run(ctx, _row)
+    yield from bench_fit.run(ctx, _row)
 
 
 WORKLOADS = {"big": run_big, "small": run_small, "reshard": run_reshard, "memory": run_memory, "fit": run_fit}

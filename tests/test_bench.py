@@ -162,3 +162,13 @@ def test_bad_options_are_refused(capsys):
     with pytest.raises(SystemExit) as e:
         bench.main(["--workloads", "big,nope"])
     assert e.value.code == 2 and "nope" in capsys.readouterr().err
+
+
+def test_a_cell_past_its_timeout_is_reported_not_waited_for(tmp_path, capsys):
+    """A hanging workload (e.g. a save that never finishes) becomes a "skipped" row; the bench goes on."""
+    rc = bench.main(["--workloads", "big", "--peers", "ckpt_callbacks", "--storage", "disk", "--disk-dir",
+                     str(tmp_path), "--scale", "0.001", "--repeats", "1", "--cell-timeout", "0.5", "--json"])
+    assert rc == 0
+    got = json.loads(capsys.readouterr().out)
+    assert [r["skipped"] for r in got["rows"]] == [
+        "did not finish within --cell-timeout 0.5 s (a hang?); rows measured before are kept"]
