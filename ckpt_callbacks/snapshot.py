@@ -11,8 +11,11 @@ Who calls what: `CheckpointManager.save` calls `plan` then `copy` on every proce
 thread, while the background writer (`writing.Writer`) consumes the copies `copy` emits. Everything that
 depends on the caller's buffers happens here; nothing after it reads them.
 
-Copies: jax.Array shards this process writes are copied on their device (`jax.device_put` with
-``may_alias=False``), numpy leaves with `np.array`. With a `ByteBudget`, each copy first reserves its
+Copies: numpy leaves are copied (`np.array`; they are mutable). jax.Array shards this process
+writes: on CPU, a zero-copy numpy view (the runtime does not donate a buffer while a view of it is
+alive, so the view keeps the value of the call: see `_on_cpu`); elsewhere an on-device copy,
+dispatched asynchronously (one jitted copy per unreplicated leaf, `jax.device_put` with
+``may_alias=False`` per shard otherwise) and transferred to host by the writer. With a `ByteBudget`, each copy first reserves its
 bytes and the writer releases them once written, so staging memory never exceeds the budget (the
 save then blocks until enough earlier shards are written).
 """
@@ -212,6 +215,14 @@ def _device_copy(x):
     return x.copy()
 
 
+def _on_cpu(x) -> bool:
+    """CPU jax arrays are snapshotted without a copy: a numpy view of the buffer. While a view is
+    alive, the runtime cannot donate that buffer (a donating step then allocates a fresh output
+    instead), and jax arrays are otherwise immutable, so the view keeps the value of the call.
+    Other platforms copy on device (an asynchronously dispatched copy) and transfer later."""
+    return isinstance(x, jax.Array) and all(d.platform == "cpu" for d in x.sharding.device_set)
+
+
 def _whole_copies(snap: Snapshot, sources, budget) -> dict:
     """Leaves whose every addressable shard is unique and written here: one jitted on-device copy
     each, dispatched asynchronously (the runtime orders it before any later donation of `x`).
@@ -229,8 +240,11 @@ def _whole_copies(snap: Snapshot, sources, budget) -> dict:
             continue  # replicated somewhere, or split into pieces: copied shard by shard instead
         if budget:
             budget.acquire(sum(n for _, n in boxes))
-        c = _device_copy(x)
-        out[i] = {layout.box_of(s.index, x.shape): s.data for s in c.addressable_shards}
+        if _on_cpu(x):
+            out[i] = {layout.box_of(s.index, x.shape): np.asarray(s.data) for s in x.addressable_shards}
+        else:
+            c = _device_copy(x)
+            out[i] = {layout.box_of(s.index, x.shape): s.data for s in c.addressable_shards}
     return out
 
 
@@ -244,7 +258,8 @@ def copy(snap: Snapshot, emit, budget: ByteBudget | None = None) -> None:
     sources, pi = snap._sources, snap.process_index
     for i, rec in enumerate(snap.records):
         if rec["k"] == "packed" and rec["w"] == pi:
-            arr = np.array(sources[i], copy=True)
+            x = sources[i]
+            arr = np.asarray(x) if _on_cpu(x) else np.array(x, copy=True)
             if budget:
                 budget.acquire(arr.nbytes)
             emit(("packed", i, arr))
@@ -260,10 +275,13 @@ def copy(snap: Snapshot, emit, budget: ByteBudget | None = None) -> None:
             mine = next(d for d in devs if d.process_index == pi)
             shard = next(s for s in x.addressable_shards if s.device == mine)
             sbox = layout.box_of(shard.index, x.shape)
-            if sbox == b:
+            piece = tuple(slice(lo - o, hi - o) for (lo, hi), (o, _) in zip(b, sbox))
+            if _on_cpu(x):
+                data = np.asarray(shard.data)[piece]
+            elif sbox == b:
                 data = jax.device_put(shard.data, shard.device, may_alias=False)
             else:  # a piece of a replicated shard: the slice is a new buffer, taken now
-                data = shard.data[tuple(slice(lo - o, hi - o) for (lo, hi), (o, _) in zip(b, sbox))]
+                data = shard.data[piece]
         else:
             data = np.array(x[tuple(slice(lo, hi) for lo, hi in b)], copy=True)
         emit(("array", ArrayWrite(i, b, data, nbytes)))

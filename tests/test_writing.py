@@ -176,3 +176,17 @@ def test_phase_timings_are_reported(ckdir):
     assert abs(s.blocking_s + s.write_s + s.commit_s - s.total_s) < 1e-3
     assert s.files >= 3 and s.started <= time.time()
     assert set(s.as_dict()) >= {"blocking_s", "write_s", "commit_s", "total_s", "bytes_total", "files"}
+
+
+def test_arrays_deleted_after_save_are_still_saved_exactly(ckdir):
+    state = sharded_state(3)
+    expected = jax.tree.map(np.asarray, state)
+    with cc.CheckpointManager(ckdir) as m:
+        m.save(1, state)
+        for x in jax.tree.leaves(state):
+            x.delete()
+        del state
+        junk = [jnp.full((512, 1024), 7.0) for _ in range(8)]   # reuse freed memory if any was freed
+        jax.block_until_ready(junk)
+        m.wait_until_finished()
+        assert_tree_equal(m.restore(1), expected)
