@@ -223,37 +223,28 @@ def _on_cpu(x) -> bool:
     return isinstance(x, jax.Array) and all(d.platform == "cpu" for d in x.sharding.device_set)
 
 
-def _whole_copies(snap: Snapshot, sources, budget) -> dict:
-    """Leaves whose every addressable shard is unique and written here: one jitted on-device copy
-    each, dispatched asynchronously (the runtime orders it before any later donation of `x`).
-    Returns leaf -> {box: single-device array}."""
-    mine: dict = {}
-    for i, b, _, nbytes in snap._boxes:
-        mine.setdefault(i, []).append((b, nbytes))
-    out = {}
-    for i, boxes in mine.items():
-        x = sources[i]
-        if not isinstance(x, jax.Array):
-            continue
-        shards = {layout.box_of(s.index, x.shape): s.device for s in x.addressable_shards}
-        if len(shards) != len(x.addressable_shards) or sorted(shards) != sorted(b for b, _ in boxes):
-            continue  # replicated somewhere, or split into pieces: copied shard by shard instead
-        if budget:
-            budget.acquire(sum(n for _, n in boxes))
-        if _on_cpu(x):
-            out[i] = {layout.box_of(s.index, x.shape): np.asarray(s.data) for s in x.addressable_shards}
-        else:
-            c = _device_copy(x)
-            out[i] = {layout.box_of(s.index, x.shape): s.data for s in c.addressable_shards}
-    return out
+def _whole_copy(x, boxes, budget) -> dict | None:
+    """Off CPU, a leaf whose every addressable shard is unique and written here gets one jitted
+    on-device copy, dispatched asynchronously (the runtime orders it before any later donation of
+    `x`); its bytes are reserved at once. Returns {box: single-device array}, or None."""
+    if not isinstance(x, jax.Array) or _on_cpu(x):
+        return None
+    shards = {layout.box_of(s.index, x.shape): s.device for s in x.addressable_shards}
+    if len(shards) != len(x.addressable_shards) or sorted(shards) != sorted(b for b, _, _ in boxes):
+        return None  # replicated somewhere, or split into pieces: copied shard by shard instead
+    if budget:
+        budget.acquire(sum(n for _, _, n in boxes))
+    c = _device_copy(x)
+    return {layout.box_of(s.index, x.shape): s.data for s in c.addressable_shards}
 
 
 def copy(snap: Snapshot, emit, budget: ByteBudget | None = None) -> None:
     """Copy every leaf this process writes, in order, handing each copy to `emit`.
 
     `emit(("packed", leaf, ndarray))` or `emit(("array", ArrayWrite))`; then `emit(None)`. With a
-    budget, each copy first reserves its bytes; the consumer releases them once written.
-    Drops the snapshot's references to the caller's buffers before returning.
+    budget, each copy first reserves its bytes; the consumer releases them once written, so the
+    copies of later leaves wait for the writes of earlier ones. Drops the snapshot's references to
+    the caller's buffers before returning.
     """
     sources, pi = snap._sources, snap.process_index
     for i, rec in enumerate(snap.records):
@@ -263,28 +254,32 @@ def copy(snap: Snapshot, emit, budget: ByteBudget | None = None) -> None:
             if budget:
                 budget.acquire(arr.nbytes)
             emit(("packed", i, arr))
-    whole = _whole_copies(snap, sources, budget)
+    by_leaf: dict = {}
     for i, b, devs, nbytes in snap._boxes:
+        by_leaf.setdefault(i, []).append((b, devs, nbytes))
+    for i, boxes in by_leaf.items():
         x = sources[i]
-        if i in whole:  # copied on device as a whole already (its bytes reserved there too)
-            emit(("array", ArrayWrite(i, b, whole[i].pop(b), nbytes)))
-            continue
-        if budget:
-            budget.acquire(nbytes)
-        if isinstance(x, jax.Array):
-            mine = next(d for d in devs if d.process_index == pi)
-            shard = next(s for s in x.addressable_shards if s.device == mine)
-            sbox = layout.box_of(shard.index, x.shape)
-            piece = tuple(slice(lo - o, hi - o) for (lo, hi), (o, _) in zip(b, sbox))
-            if _on_cpu(x):
-                data = np.asarray(shard.data)[piece]
-            elif sbox == b:
-                data = jax.device_put(shard.data, shard.device, may_alias=False)
-            else:  # a piece of a replicated shard: the slice is a new buffer, taken now
-                data = shard.data[piece]
-        else:
-            data = np.array(x[tuple(slice(lo, hi) for lo, hi in b)], copy=True)
-        emit(("array", ArrayWrite(i, b, data, nbytes)))
+        whole = _whole_copy(x, boxes, budget)
+        for b, devs, nbytes in boxes:
+            if whole is not None:
+                emit(("array", ArrayWrite(i, b, whole.pop(b), nbytes)))
+                continue
+            if budget:
+                budget.acquire(nbytes)
+            if isinstance(x, jax.Array):
+                mine = next(d for d in devs if d.process_index == pi)
+                shard = next(s for s in x.addressable_shards if s.device == mine)
+                sbox = layout.box_of(shard.index, x.shape)
+                piece = tuple(slice(lo - o, hi - o) for (lo, hi), (o, _) in zip(b, sbox))
+                if _on_cpu(x):
+                    data = np.asarray(shard.data)[piece]
+                elif sbox == b:
+                    data = jax.device_put(shard.data, shard.device, may_alias=False)
+                else:  # a piece of a replicated shard: the slice is a new buffer, taken now
+                    data = shard.data[piece]
+            else:
+                data = np.array(x[tuple(slice(lo, hi) for lo, hi in b)], copy=True)
+            emit(("array", ArrayWrite(i, b, data, nbytes)))
     snap._sources = snap._boxes = None
     snap.blocking_s = time.perf_counter() - snap.started
     emit(None)

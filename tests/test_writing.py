@@ -190,3 +190,26 @@ def test_arrays_deleted_after_save_are_still_saved_exactly(ckdir):
         jax.block_until_ready(junk)
         m.wait_until_finished()
         assert_tree_equal(m.restore(1), expected)
+
+
+def test_budget_smaller_than_one_sharded_leaf_streams_without_deadlock(ckdir):
+    mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("a", "b"))
+    sh = NamedSharding(mesh, P("a", "b"))
+    tree = {f"w{i}": jax.device_put(np.full((1024, 1024), i, np.float32), sh) for i in range(6)}  # 6 x 4 MiB
+    with cc.CheckpointManager(ckdir, max_staging_bytes=3 << 20) as m:        # less than one leaf
+        m.save(1, tree)
+        m.wait_until_finished()
+        assert m.last_stats.peak_staging_bytes <= 3 << 20
+        assert_tree_equal(m.restore(1), jax.tree.map(np.asarray, tree))
+
+
+@pytest.fixture
+def device_copy_path(monkeypatch):
+    """Exercise the accelerator snapshot path (on-device copies) on the CPU devices."""
+    from ckpt_callbacks import snapshot
+    monkeypatch.setattr(snapshot, "_on_cpu", lambda x: False)
+
+
+def test_device_copy_path_is_donation_safe_and_streams_under_a_budget(ckdir, device_copy_path):
+    test_donated_state_after_save_is_still_saved_exactly(ckdir + "-a")
+    test_budget_smaller_than_one_sharded_leaf_streams_without_deadlock(ckdir + "-b")
