@@ -232,8 +232,11 @@ def _whole_copy(x, boxes, budget) -> dict | None:
     shards = {layout.box_of(s.index, x.shape): s.device for s in x.addressable_shards}
     if len(shards) != len(x.addressable_shards) or sorted(shards) != sorted(b for b, _, _ in boxes):
         return None  # replicated somewhere, or split into pieces: copied shard by shard instead
+    total = sum(n for _, _, n in boxes)
+    if budget and budget.limit is not None and total > budget.limit:
+        return None  # larger than the whole budget: shard by shard, so the budget holds
     if budget:
-        budget.acquire(sum(n for _, _, n in boxes))
+        budget.acquire(total)
     c = _device_copy(x)
     return {layout.box_of(s.index, x.shape): s.data for s in c.addressable_shards}
 
