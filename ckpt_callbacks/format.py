@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import re
 
-import google_crc32c
+import crc32c as _crc32c
 import ml_dtypes
 import msgpack
 import numpy as np
@@ -25,7 +25,7 @@ import numpy as np
 from .errors import CorruptCheckpointError, IncompatibleCheckpointError
 
 __all__ = ["FORMAT_VERSION", "MANIFEST", "step_name", "parse_step_name", "pack_manifest",
-           "unpack_manifest", "crc32c", "storage_dtype", "logical_dtype", "dtype_name"]
+           "unpack_manifest", "pack_bins", "crc32c", "storage_dtype", "logical_dtype", "dtype_name"]
 
 FORMAT_VERSION = 1
 MAGIC = "ckpt_callbacks"
@@ -62,7 +62,8 @@ def parse_step_name(name: str) -> int | None:
 
 
 def crc32c(data) -> int:
-    return google_crc32c.value(bytes(data) if not isinstance(data, (bytes, memoryview)) else data)
+    """CRC-32C (Castagnoli, as zarr v3's crc32c codec) of any contiguous buffer, without copying it."""
+    return _crc32c.crc32c(data)
 
 
 def dtype_name(dtype) -> str:
@@ -84,6 +85,21 @@ def storage_dtype(name: str) -> str:
     if name in _NATIVE:
         return name
     return "uint%d" % (8 * logical_dtype(name).itemsize)
+
+
+def pack_bins(items: list) -> list:
+    """A msgpack array of bin entries, as a list of buffers to write one after another (the same
+    bytes as ``msgpack.packb(items)``, without copying the items into one buffer first)."""
+    n = len(items)
+    head = bytes([0x90 | n]) if n < 16 else (b"\xdc" + n.to_bytes(2, "big") if n < 1 << 16
+                                             else b"\xdd" + n.to_bytes(4, "big"))
+    out = [head]
+    for it in items:
+        size = memoryview(it).nbytes
+        out.append(b"\xc4" + size.to_bytes(1, "big") if size < 1 << 8 else
+                   b"\xc5" + size.to_bytes(2, "big") if size < 1 << 16 else b"\xc6" + size.to_bytes(4, "big"))
+        out.append(it)
+    return out
 
 
 def pack_manifest(manifest: dict) -> bytes:

@@ -78,7 +78,7 @@ class leaf_reader:
             self._blobs[rel] = entries
         return self._blobs[rel]
 
-    def packed(self, rec: dict) -> np.ndarray:
+    def packed(self, rec: dict, writable: bool = True) -> np.ndarray:
         where = treepath.keystr(tuple(map(tuple, rec["p"])))
         entries = self._blob(rec["b"], where)
         if not 0 <= rec["bi"] < len(entries) or not isinstance(entries[rec["bi"]], bytes):
@@ -90,7 +90,8 @@ class leaf_reader:
         if len(raw) != math.prod(rec["sh"]) * dt.itemsize:
             raise CorruptCheckpointError(f"{where}: {len(raw)} bytes stored, shape {rec['sh']} needs "
                                          f"{math.prod(rec['sh']) * dt.itemsize}", where)
-        return np.frombuffer(raw, dtype=fmt.storage_dtype(rec["dt"])).view(dt).reshape(rec["sh"]).copy()
+        out = np.frombuffer(raw, dtype=fmt.storage_dtype(rec["dt"])).view(dt).reshape(rec["sh"])
+        return out.copy() if writable else out   # read-only views of the blob feed device transfers
 
     def array(self, rec: dict):
         """The opened tensorstore of an array leaf (metadata checked against the manifest)."""
@@ -129,10 +130,10 @@ class leaf_reader:
                 f"{len(keys)} chunk files{'' if stored is None else f' ({stored} bytes)'}: missing or truncated data",
                 where)
 
-    def read_box(self, rec: dict, box, arr=None) -> np.ndarray:
+    def read_box(self, rec: dict, box, arr=None, writable: bool = True) -> np.ndarray:
         where = treepath.keystr(tuple(map(tuple, rec["p"])))
         if rec["k"] == "packed":
-            full = self.packed(rec)
+            full = self.packed(rec, writable)
             return full[tuple(slice(a, b) for a, b in box)]
         arr = arr if arr is not None else self.array(rec)
         try:
@@ -259,7 +260,7 @@ def _restore_leaf(reader: leaf_reader, rec: dict, t):
         host, bbox = None, full
     else:
         bbox = layout.bounding(boxes)
-        host = reader.read_box(rec, bbox)
+        host = reader.read_box(rec, bbox, writable=False)
         if bbox == full and sharding.is_fully_addressable:
             return _Put(host, sharding)
 

@@ -25,6 +25,7 @@ credential (``redact``/``scrub``); see docs/storage.md for URLs, credentials and
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import shutil
 import urllib.parse
@@ -44,7 +45,8 @@ class Store:
     def kvstore(self, rel: str) -> dict:
         raise NotImplementedError
 
-    def write(self, rel: str, data: bytes) -> None:
+    def write(self, rel: str, data) -> None:
+        """Write `data` (bytes, or a list of buffers to concatenate) as the object/file `rel`."""
         raise NotImplementedError
 
     def read(self, rel: str) -> bytes:
@@ -122,11 +124,13 @@ class LocalStore(Store):
     def kvstore(self, rel: str) -> dict:
         return {"driver": "file", "path": self.path(rel) + "/"}
 
-    def write(self, rel: str, data: bytes) -> None:
+    def write(self, rel: str, data) -> None:
+        """Write bytes, or a list of buffers one after another, and fsync the file."""
         p = self.path(rel)
         os.makedirs(os.path.dirname(p), exist_ok=True)
         with open(p, "wb") as f:
-            f.write(data)
+            for part in (data if isinstance(data, list) else [data]):
+                f.write(part)
             f.flush()
             os.fsync(f.fileno())
 
@@ -150,20 +154,32 @@ class LocalStore(Store):
         return rel
 
     def sync(self, rels: list[str]) -> None:
+        """fsync the given files and trees (files in parallel: fsync releases the GIL, and the
+        device is kept busy with several flushes at once), then their directories."""
+        files, dirs = [], []
         for rel in rels:
             top = self.path(rel)
-            if not os.path.exists(top):
-                continue
             if os.path.isfile(top):
-                _fsync_path(top)
+                files.append(top)
                 continue
-            for dirpath, _, files in os.walk(top):
-                for f in files:
-                    try:
-                        _fsync_path(os.path.join(dirpath, f))
-                    except FileNotFoundError:  # another process's temporary file, renamed meanwhile
-                        pass
-                _fsync_path(dirpath, directory=True)
+            for dirpath, _, names in os.walk(top):
+                files += [os.path.join(dirpath, f) for f in names]
+                dirs.append(dirpath)
+
+        def one(path):
+            try:
+                _fsync_path(path)
+            except FileNotFoundError:  # another process's temporary file, renamed meanwhile
+                pass
+
+        if len(files) > 1:
+            with concurrent.futures.ThreadPoolExecutor(max_workers=min(16, len(files))) as pool:
+                list(pool.map(one, files))  # re-raises the first failure: the save aborts
+        else:
+            for f in files:
+                one(f)
+        for d in dirs:
+            _fsync_path(d, directory=True)
 
     def _sync_dirs(self, rel: str) -> None:
         """fsync every directory of a staging tree (the writers fsynced their own files)."""

@@ -216,8 +216,7 @@ def _consume(store, staging, snap, items, arrays, budget):
         if not blob:
             return
         rel = f"blobs/p{snap.process_index}-{nblob}.msgpack"
-        data = msgpack.packb(blob, use_bin_type=True)
-        store.write(f"{staging}/{rel}", data)
+        store.write(f"{staging}/{rel}", fmt.pack_bins(blob))
         for j, (leaf, crc) in enumerate(blob_leaves):
             packed_info[leaf] = [rel, j, crc]
         if budget:
@@ -239,7 +238,8 @@ def _consume(store, staging, snap, items, arrays, budget):
             raise CheckpointSaveError(f"the snapshot failed: {item[1]}") from item[1]
         if item[0] == "packed":
             _, leaf, arr = item
-            raw = np.ascontiguousarray(_to_storage(arr, snap.records[leaf]["dt"])).tobytes()
+            # a byte view, not a copy: msgpack copies it once, into the blob
+            raw = memoryview(np.ascontiguousarray(arr).reshape(-1).view(np.uint8))
             blob.append(raw)
             blob_leaves.append((leaf, fmt.crc32c(raw)))
             blob_bytes += arr.nbytes

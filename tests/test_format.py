@@ -98,3 +98,16 @@ def test_package_imports_without_orbax_or_pickle():
             assert not [l for l in imports if "pickle" in l], name             # nowhere, benchmarks included
             if not name.startswith("bench"):                                  # Orbax: only as a benchmark peer
                 assert not [l for l in imports if l.split()[1].startswith("orbax")], name
+
+
+def test_pack_bins_is_byte_identical_to_msgpack():
+    from hypothesis import given, settings, strategies as st
+
+    @settings(max_examples=200, deadline=None)
+    @given(st.lists(st.binary(max_size=300), max_size=40), st.sampled_from([0, 255, 256, 65535, 65536]))
+    def check(items, big):
+        items = items + [b"z" * big]
+        parts = fmt.pack_bins(items)
+        assert b"".join(bytes(p) for p in parts) == msgpack.packb(items, use_bin_type=True)
+
+    check()

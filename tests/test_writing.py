@@ -94,7 +94,7 @@ def test_failed_fsync_aborts_and_is_not_retried(ckdir, monkeypatch):
     real = os.fsync
 
     def bad_fsync(fd):
-        calls.append(fd)
+        calls.append(os.readlink(f"/proc/self/fd/{fd}"))
         raise OSError(5, "Input/output error (injected)")
 
     with cc.CheckpointManager(ckdir, async_save=False) as m:
@@ -103,7 +103,8 @@ def test_failed_fsync_aborts_and_is_not_retried(ckdir, monkeypatch):
         with pytest.raises(cc.CheckpointSaveError, match="Input/output error"):
             m.save(2, {"x": np.ones(300_000)})
         monkeypatch.setattr(os, "fsync", real)
-        assert len(calls) == 1                        # the first failure aborted the save
+        assert calls and len(calls) == len(set(calls))  # no file's fsync was ever retried
+        assert len(calls) <= 16                         # the failure aborted the save (<= one parallel wave)
         assert m.all_steps() == [1]
         m.save(3, {"x": np.ones(3)})
         assert m.all_steps() == [1, 3]
