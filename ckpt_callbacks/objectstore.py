@@ -157,7 +157,7 @@ class ObjectStore(Store):
             raise CheckpointError(f"{self.url}: {what} failed after up to {self.retries} retries with backoff "
                                   f"({msg[:400]}); {hint}") from None
 
-    def write(self, rel: str, data) -> None:
+    def write(self, rel: str, data, sync: bool = True) -> None:
         if isinstance(data, list):
             data = b"".join(data)
         self._io(lambda: self.kv.write(self.prefix + rel, data).result(), f"write {rel}")

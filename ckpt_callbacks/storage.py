@@ -45,8 +45,11 @@ class Store:
     def kvstore(self, rel: str) -> dict:
         raise NotImplementedError
 
-    def write(self, rel: str, data) -> None:
-        """Write `data` (bytes, or a list of buffers to concatenate) as the object/file `rel`."""
+    def write(self, rel: str, data, sync: bool = True) -> None:
+        """Write `data` (bytes, or a list of buffers to concatenate) as the object/file `rel`.
+
+        With ``sync=False`` the caller makes it durable later with `sync` (object stores: every
+        completed write is durable)."""
         raise NotImplementedError
 
     def read(self, rel: str) -> bytes:
@@ -124,15 +127,16 @@ class LocalStore(Store):
     def kvstore(self, rel: str) -> dict:
         return {"driver": "file", "path": self.path(rel) + "/"}
 
-    def write(self, rel: str, data) -> None:
-        """Write bytes, or a list of buffers one after another, and fsync the file."""
+    def write(self, rel: str, data, sync: bool = True) -> None:
+        """Write bytes, or a list of buffers one after another; fsync the file unless ``sync=False``."""
         p = self.path(rel)
         os.makedirs(os.path.dirname(p), exist_ok=True)
         with open(p, "wb") as f:
             for part in (data if isinstance(data, list) else [data]):
                 f.write(part)
             f.flush()
-            os.fsync(f.fileno())
+            if sync:
+                os.fsync(f.fileno())
 
     def read(self, rel: str) -> bytes:
         try:

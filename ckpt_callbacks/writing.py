@@ -101,7 +101,7 @@ def write_and_commit(store: Store, step: int, snap: Snapshot, items, *, coord: C
         written, files, packed_info, mine = _consume(store, staging, snap, items, arrays, budget)
         if host_state is not None:
             rel = f"host/p{pi}.msgpack"
-            store.write(f"{staging}/{rel}", host_state)
+            store.write(f"{staging}/{rel}", host_state, sync=False)   # made durable by store.sync below
             files += 1
             mine.append(rel)
         store.sync([f"{staging}/{r}" for r in mine])
@@ -216,7 +216,7 @@ def _consume(store, staging, snap, items, arrays, budget):
         if not blob:
             return
         rel = f"blobs/p{snap.process_index}-{nblob}.msgpack"
-        store.write(f"{staging}/{rel}", fmt.pack_bins(blob))
+        store.write(f"{staging}/{rel}", fmt.pack_bins(blob), sync=False)   # store.sync(mine) makes it durable
         for j, (leaf, crc) in enumerate(blob_leaves):
             packed_info[leaf] = [rel, j, crc]
         if budget:

@@ -247,7 +247,7 @@ def die_mid_save(root: str, victim: int, timeout_s: float, phase: str = "sync") 
     # first an ordinary failure on the victim (a write error): every process learns it, nothing commits
     write = mngr.store.write
     if pi == victim:
-        def failing_write(rel, data):
+        def failing_write(rel, data, sync=True):
             raise OSError(f"injected write failure of {rel.split('/', 1)[1]}")
         mngr.store.write = failing_write
     try:

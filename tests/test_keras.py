@@ -270,7 +270,7 @@ def test_background_write_failure_is_raised_by_fit_at_train_end(ckdir):
     from ckpt_callbacks import storage
 
     class Failing(storage.LocalStore):
-        def write(self, rel, data):
+        def write(self, rel, data, sync=True):
             raise OSError(28, "No space left on device (injected)")
 
     class Inject(keras.callbacks.Callback):

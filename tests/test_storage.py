@@ -175,10 +175,10 @@ def test_a_save_whose_claim_was_taken_is_not_committed(objstore):
     snapshot.copy(snap, items.put)
     real_write = store.write
 
-    def write(rel, data):
+    def write(rel, data, sync=True):
         if rel.endswith("manifest.msgpack"):
             objstore.delete("pending/step_0000000007")   # another process's cleanup, mid-save
-        real_write(rel, data)
+        real_write(rel, data, sync)
 
     store.write = write
     with pytest.raises(cc.CheckpointSaveError, match="was removed or replaced by another process"):

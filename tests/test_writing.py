@@ -59,10 +59,10 @@ class Faulty(storage.LocalStore):
 
     fail = False
 
-    def write(self, rel, data):
+    def write(self, rel, data, sync=True):
         if self.fail:
             raise OSError(28, "No space left on device (injected)")
-        return super().write(rel, data)
+        return super().write(rel, data, sync)
 
 
 def test_background_failure_surfaces_on_next_call_and_nothing_partial_is_listed(ckdir, caplog):
