@@ -32,7 +32,7 @@ MAGIC = "ckpt_callbacks"
 MANIFEST = "manifest.msgpack"
 STEP_PREFIX = "step_"
 STEP_RE = re.compile(r"^step_(\d{10})$")
-STAGING_RE = re.compile(r"^step_(\d{10})\.(tmp|del)-[0-9a-f]{8,32}$")
+STAGING_RE = re.compile(r"^step_(\d{10})\.(tmp|del|old)-[0-9a-f]{8,32}$")
 ARRAY_RE = re.compile(r"^arrays/\d{1,9}$")
 BLOB_RE = re.compile(r"^blobs/p\d{1,6}-\d{1,6}\.msgpack$")
 HOST_RE = re.compile(r"^host/p\d{1,6}\.msgpack$")
@@ -182,8 +182,7 @@ def _validate(m: dict) -> None:
         need(isinstance(name, str) and HOST_RE.match(name), "host state name")
 
 
-def _validate_tree(tree, n, need, depth=0):
-    need(depth < 1000, "tree nested too deeply")
+def _validate_tree(tree, n, need):
     stack = [(tree, 0)]
     while stack:
         node, d = stack.pop()

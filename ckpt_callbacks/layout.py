@@ -8,7 +8,7 @@ Example::
 Who calls what: the snapshot (every process, identically) asks `unique_boxes` for the distinct
 shards of each array, `assign` for which process writes each (so that exactly one copy of every
 replicated shard is written, and replicated bytes are spread over processes), and `chunk_shape`
-for a zarr chunk grid aligned to the shards and capped in bytes. Restore uses `intersect`.
+for a zarr chunk grid aligned to the shards and capped in bytes. Restore uses `bounding` (and `box_of`).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
-__all__ = ["Box", "box_of", "unique_boxes", "chunk_shape", "assign", "intersect", "box_shape"]
+__all__ = ["Box", "box_of", "unique_boxes", "chunk_shape", "assign", "intersect", "bounding", "box_shape"]
 
 Box = tuple  # tuple of (start, stop) per dimension
 

@@ -40,8 +40,15 @@ def _alive(pid: int) -> bool:
         return True
 
 
+_HELD: set = set()   # roots this process holds: one writer per directory within a process too
+
+
 def acquire(root: str) -> None:
     path = os.path.join(root, LOCK_NAME)
+    if os.path.realpath(root) in _HELD:
+        raise CheckpointLockedError(
+            f"{root} is already open for writing by another CheckpointManager in this process "
+            f"(pid {os.getpid()}); close() it first, or open this one with read_only=True")
     me = {"host": socket.gethostname(), "pid": os.getpid(), "time": time.time()}
     for _ in range(3):
         try:
@@ -54,6 +61,7 @@ def acquire(root: str) -> None:
                 owner = {}
             host, pid = owner.get("host"), owner.get("pid")
             if host == me["host"] and pid == me["pid"]:
+                _HELD.add(os.path.realpath(root))   # left by an earlier manager of ours that was never closed
                 return
             if host == me["host"] and isinstance(pid, int) and not _alive(pid):
                 try:  # stale: its owner died; take it over atomically
@@ -73,12 +81,14 @@ def acquire(root: str) -> None:
             json.dump(me, f)
             f.flush()
             os.fsync(f.fileno())
+        _HELD.add(os.path.realpath(root))
         return
     raise CheckpointLockedError(f"could not take the lock {path}")
 
 
 def release(root: str) -> None:
     path = os.path.join(root, LOCK_NAME)
+    _HELD.discard(os.path.realpath(root))
     try:
         with open(path) as f:
             owner = json.load(f)

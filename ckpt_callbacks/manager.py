@@ -21,7 +21,9 @@ leftovers of crashed saves (only names this package creates); the other processe
 outcome and raise if it failed. Multi-host details: docs/multihost.md.
 
 Saving a step that is already committed never overwrites it: the save is skipped with a warning
-(the resumed-run case) and returns False; ``force=True`` replaces it atomically (POSIX).
+(the resumed-run case) and returns False; ``force=True`` replaces it: readers see the old step or
+the new one, never a mix (POSIX: two renames; a crash between them puts the old step back at the
+next start; object stores: see docs/storage.md).
 """
 
 from __future__ import annotations
@@ -114,6 +116,8 @@ class CheckpointManager:
                 if self.store.local:
                     lock.acquire(self.store.root)
                     self._locked = True
+                for step in self.store.recover():
+                    log.warning("ckpt_callbacks: put back step %d, whose forced replacement was interrupted", step)
                 for name in self.store.leftovers():
                     log.info("ckpt_callbacks: removing leftover %s of an interrupted save or deletion", name)
                     self.store.remove(name)
@@ -238,7 +242,8 @@ class CheckpointManager:
                 except CheckpointError as e:  # damaged: kept (never silently dropped), never best
                     log.warning("ckpt_callbacks: step %d: cannot read its manifest (%s)", s, e)
                     self._infos[s] = StepInfo(s, 0.0, {})
-        return [self._infos[s] for s in steps]
+        infos = [self._infos.get(s) for s in steps]   # background retention may drop a step meanwhile
+        return [i for i in infos if i is not None]
 
     def _wait(self) -> None:
         t = self._thread

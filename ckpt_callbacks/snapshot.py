@@ -62,9 +62,15 @@ class ByteBudget:
         with self._cv:
             if self.limit is not None:
                 # a single item larger than the budget is allowed alone
-                self._cv.wait_for(lambda: self.used == 0 or self.used + n <= self.limit)
+                self._cv.wait_for(lambda: self.limit is None or self.used == 0 or self.used + n <= self.limit)
             self.used += n
             self.peak = max(self.peak, self.used)
+
+    def open(self) -> None:
+        """Lift the limit for good (after a failure: nothing reserved will be written)."""
+        with self._cv:
+            self.limit = None
+            self._cv.notify_all()
 
     def release(self, n: int) -> None:
         with self._cv:
@@ -82,7 +88,7 @@ class ArrayWrite:
 
 @dataclasses.dataclass
 class Snapshot:
-    """What the writer needs; built by `take`. Leaf records become the manifest's ``leaves``."""
+    """What the writer needs; built by `plan`. Leaf records become the manifest's ``leaves``."""
 
     records: list                  # one dict per leaf (manifest form, filled further by the writer)
     skeleton: Any
@@ -140,7 +146,7 @@ def _classify(path, x) -> dict:
     return rec
 
 
-def plan(tree, *, budget: ByteBudget | None = None, coord: Coordinator | None = None,
+def plan(tree, *, coord: Coordinator | None = None,
          pack_max_bytes: int = PACK_MAX_BYTES, chunk_max_bytes: int = CHUNK_MAX_BYTES) -> Snapshot:
     """Classify leaves and decide the layout and who writes what. Reads no array data."""
     t0 = time.perf_counter()

@@ -58,9 +58,6 @@ class Store:
     def committed_steps(self) -> list[int]:
         raise NotImplementedError
 
-    def step_dir(self, step: int) -> str:
-        return fmt.step_name(step)
-
     def begin(self, step: int, token: str, lead: bool = True) -> str:
         """`lead` is True on the one process (0) that owns the step's staging and publishes it."""
         raise NotImplementedError
@@ -76,6 +73,10 @@ class Store:
 
     def leftovers(self) -> list[str]:
         raise NotImplementedError
+
+    def recover(self) -> list[int]:
+        """Undo an interrupted forced replacement, where the backend can (POSIX); see LocalStore."""
+        return []
 
     def remove(self, name: str) -> None:
         raise NotImplementedError
@@ -197,12 +198,27 @@ class LocalStore(Store):
         if os.path.exists(final):
             if not replace:
                 raise CheckpointError(f"{final} already exists")
-            old = f"{fmt.step_name(step)}.del-{os.urandom(6).hex()}"
+            # `.old-`, not `.del-`: if we die before the next rename, `recover` puts it back
+            old = f"{fmt.step_name(step)}.old-{os.urandom(6).hex()}"
             os.rename(final, self.path(old))
         os.rename(self.path(staging), final)
         _fsync_path(self.root, directory=True)
         if old:
             shutil.rmtree(self.path(old), ignore_errors=True)
+
+    def recover(self) -> list[int]:
+        """At start-up, before leftovers are removed: put back a step whose forced replacement
+        (`publish(replace=True)`) died between its two renames. Returns the steps put back."""
+        back = []
+        for name in self.leftovers():
+            m = fmt.STAGING_RE.match(name)
+            final = self.path(fmt.step_name(int(m.group(1))))
+            if m.group(2) == "old" and not os.path.exists(final):
+                os.rename(self.path(name), final)
+                back.append(int(m.group(1)))
+        if back:
+            _fsync_path(self.root, directory=True)
+        return back
 
     def delete(self, step: int) -> None:
         hidden = f"{fmt.step_name(step)}.del-{os.urandom(6).hex()}"

@@ -107,6 +107,8 @@ def write_and_commit(store: Store, step: int, snap: Snapshot, items, *, coord: C
         store.sync([f"{staging}/{r}" for r in mine])
     except BaseException as e:  # noqa: BLE001 - reported to every process, then re-raised
         error = store.scrub(e)  # object stores: the message without endpoint or credentials
+        if budget:
+            budget.open()  # bytes reserved for what will never be written must not block the producer
         _drain(items, budget)
     t_written = time.perf_counter()
     status = msgpack.packb({"ok": error is None, "err": None if error is None else f"{type(error).__name__}: {error}",
@@ -187,12 +189,18 @@ def _open_arrays(store, staging, snap, coord, timeout_s, barrier_name) -> dict:
     # local files: tensorstore need not fsync each chunk as it lands; `store.sync` fsyncs every file
     # this process wrote once all are written (one pass, before the commit)
     ctx = ts.Context({"file_io_sync": False}) if store.local else None
+    failure = None
     if coord.process_index == 0:
-        futs = {i: ts.open(zarr_spec(store, f"{staging}/{recs[i]['z']}", recs[i]), create=True, open=True,
-                           context=ctx)
-                for i in snap.array_leaves}
-        arrays = {i: f.result() for i, f in futs.items()}
+        try:
+            futs = {i: ts.open(zarr_spec(store, f"{staging}/{recs[i]['z']}", recs[i]), create=True, open=True,
+                               context=ctx)
+                    for i in snap.array_leaves}
+            arrays = {i: f.result() for i, f in futs.items()}
+        except Exception as e:  # noqa: BLE001 - the others must not wait out the barrier for it
+            failure = e
     coord.barrier(barrier_name, timeout_s) if coord.process_count > 1 else None
+    if failure is not None:
+        raise failure
     if coord.process_index != 0:
         futs = {i: ts.open(zarr_spec(store, f"{staging}/{recs[i]['z']}", recs[i]), open=True, assume_metadata=True,
                            context=ctx)
@@ -230,36 +238,44 @@ def _consume(store, staging, snap, items, arrays, budget):
     def released(n):
         return lambda _f: budget.release(n)
 
-    while True:
-        item = items.get()
-        if item is None:
-            break
-        if item[0] == "abort":
-            raise CheckpointSaveError(f"the snapshot failed: {item[1]}") from item[1]
-        if item[0] == "packed":
-            _, leaf, arr = item
-            # a byte view, not a copy: msgpack copies it once, into the blob
-            raw = memoryview(np.ascontiguousarray(arr).reshape(-1).view(np.uint8))
-            blob.append(raw)
-            blob_leaves.append((leaf, fmt.crc32c(raw)))
-            blob_bytes += arr.nbytes
-            if blob_bytes >= BLOB_MAX_BYTES:
-                flush()
-            continue
-        w = item[1]
-        rec = snap.records[w.leaf]
-        data = _to_storage(np.asarray(w.data), rec["dt"])
-        # the copy is ours and never changes: tensorstore may keep it instead of copying it again
-        fut = arrays[w.leaf][tuple(slice(a, b) for a, b in w.box)].write(data, can_reference_source_data_indefinitely=True)
-        if budget:
-            fut.add_done_callback(released(w.nbytes))
-        futures.append(fut)
-        written += w.nbytes
-        mine.add(rec["z"])
-        files += max(1, int(np.prod([-(-(b - a) // c) for (a, b), c in zip(w.box, rec["ch"])])))
-    flush()
-    for f in futures:
-        f.result()
+    try:
+        while True:
+            item = items.get()
+            if item is None:
+                break
+            if item[0] == "abort":
+                raise CheckpointSaveError(f"the snapshot failed: {item[1]}") from item[1]
+            if item[0] == "packed":
+                _, leaf, arr = item
+                # a byte view, not a copy: msgpack copies it once, into the blob
+                raw = memoryview(np.ascontiguousarray(arr).reshape(-1).view(np.uint8))
+                blob.append(raw)
+                blob_leaves.append((leaf, fmt.crc32c(raw)))
+                blob_bytes += arr.nbytes
+                if blob_bytes >= BLOB_MAX_BYTES:
+                    flush()
+                continue
+            w = item[1]
+            rec = snap.records[w.leaf]
+            data = _to_storage(np.asarray(w.data), rec["dt"])
+            # the copy is ours and never changes: tensorstore may keep it instead of copying it again
+            fut = arrays[w.leaf][tuple(slice(a, b) for a, b in w.box)].write(data, can_reference_source_data_indefinitely=True)
+            if budget:
+                fut.add_done_callback(released(w.nbytes))
+            futures.append(fut)
+            written += w.nbytes
+            mine.add(rec["z"])
+            files += max(1, int(np.prod([-(-(b - a) // c) for (a, b), c in zip(w.box, rec["ch"])])))
+        flush()
+        for f in futures:
+            f.result()
+    except BaseException:
+        for f in futures:  # let started writes finish before the staging data is removed
+            try:
+                f.result()
+            except Exception:  # noqa: BLE001 - the first failure is what gets reported
+                pass
+        raise
     return written, files, packed_info, sorted(mine)
 
 

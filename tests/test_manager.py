@@ -142,3 +142,25 @@ def test_bad_arguments_are_clear(ckdir):
             m.save(-1, tree(1))
     with pytest.raises(cc.CheckpointError, match="closed"):
         m.save(2, tree(2))
+
+
+def test_interrupted_forced_replacement_puts_the_old_step_back(ckdir):
+    with cc.CheckpointManager(ckdir) as m:
+        m.save(3, tree(3))
+    # a crash between publish's two renames: the old step hidden, the new one still staged
+    os.rename(os.path.join(ckdir, "step_0000000003"), os.path.join(ckdir, "step_0000000003.old-0123456789ab"))
+    os.makedirs(os.path.join(ckdir, "step_0000000003.tmp-abcdef012345"))
+    with cc.CheckpointManager(ckdir) as m:
+        assert m.all_steps() == [3]
+        np.testing.assert_array_equal(m.restore(3)["x"], tree(3)["x"])
+    assert sorted(n for n in os.listdir(ckdir) if n.startswith("step_")) == ["step_0000000003"]
+
+
+def test_a_second_writer_in_the_same_process_is_refused(ckdir):
+    m = cc.CheckpointManager(ckdir)
+    m.save(1, tree(1))
+    with pytest.raises(cc.CheckpointLockedError, match="this process"):
+        cc.CheckpointManager(ckdir)
+    m.close()
+    with cc.CheckpointManager(ckdir) as m2:          # once closed, the directory can be reopened
+        assert m2.all_steps() == [1]

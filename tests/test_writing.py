@@ -214,3 +214,35 @@ def device_copy_path(monkeypatch):
 def test_device_copy_path_is_donation_safe_and_streams_under_a_budget(ckdir, device_copy_path):
     test_donated_state_after_save_is_still_saved_exactly(ckdir + "-a")
     test_budget_smaller_than_one_sharded_leaf_streams_without_deadlock(ckdir + "-b")
+
+
+def test_a_failing_blob_write_under_a_budget_fails_the_save_instead_of_hanging(ckdir, monkeypatch):
+    from ckpt_callbacks import snapshot as snapshot_mod
+    import ckpt_callbacks.writing as writing_mod
+    monkeypatch.setattr(writing_mod, "BLOB_MAX_BYTES", 1000)
+
+    class BlobFails(storage.LocalStore):
+        def write(self, rel, data, sync=True):
+            if "/blobs/" in rel:
+                raise OSError(28, "No space left on device (injected)")
+            return super().write(rel, data, sync)
+
+    m = cc.CheckpointManager(ckdir, max_staging_bytes=(2 << 20) + 100)
+    m.store = BlobFails(ckdir)
+    tree = {f"s{i}": np.full(75, i, np.float32) for i in range(4)}
+    tree["big"] = np.ones((512, 1024), np.float32)
+    done = threading.Event()
+
+    def run():
+        try:
+            m.save(1, tree)
+            m.wait_until_finished()
+        except cc.CheckpointSaveError:
+            done.set()
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(60)
+    assert done.is_set(), "the save hung instead of failing"
+    assert m.all_steps() == []
+    m.close()
