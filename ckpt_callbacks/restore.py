@@ -96,13 +96,20 @@ class leaf_reader:
         out = np.frombuffer(raw, dtype=fmt.storage_dtype(rec["dt"])).view(dt).reshape(rec["sh"])
         return out.copy() if writable else out   # read-only views of the blob feed device transfers
 
-    def array(self, rec: dict):
-        """The opened tensorstore of an array leaf (metadata checked against the manifest)."""
+    def array(self, rec: dict, cache_bytes: int = 0):
+        """The opened tensorstore of an array leaf (metadata checked against the manifest).
+
+        ``cache_bytes`` > 0 keeps up to that many decoded chunk bytes, so reading several boxes
+        that share chunks decodes (and reads) each chunk once."""
         where = treepath.keystr(tuple(map(tuple, rec["p"])))
         spec = {"driver": "zarr3", "kvstore": self.store.kvstore(f"{self.base}/{rec['z']}"),
                 "fill_missing_data_reads": False, "open": True}
+        ctx = None
+        if cache_bytes:
+            spec["recheck_cached_data"] = False   # a committed step never changes
+            ctx = ts.Context({"cache_pool": {"total_bytes_limit": int(cache_bytes)}})
         try:
-            arr = ts.open(spec).result()
+            arr = ts.open(spec, context=ctx).result()
         except Exception as e:
             raise CorruptCheckpointError(f"{where}: cannot open array {rec['z']}: {self.store.redact(str(e))[:300]}", where) from None
         chunks = list(arr.chunk_layout.read_chunk.shape)
@@ -241,6 +248,9 @@ class _Shards(tuple):
         return super().__new__(cls, (shape, sharding, pieces))
 
 
+CHUNK_CACHE_BYTES = 256 << 20   # per leaf being restored, only when target shards cut through chunks
+
+
 def _aligned(box, chunks, shape) -> bool:
     return all(lo % c == 0 and (hi % c == 0 or hi == n) for (lo, hi), c, n in zip(box, chunks, shape))
 
@@ -288,10 +298,13 @@ def _restore_leaf(reader: leaf_reader, rec: dict, t):
     shape = tuple(rec["sh"])
     dmap = sharding.addressable_devices_indices_map(shape)
     boxes = [layout.box_of(idx, shape) for idx in dmap.values()]
-    if rec["k"] == "array" and boxes and all(_aligned(b, rec["ch"], shape) for b in boxes):
-        # every target shard is whole chunks: read each distinct shard into its own buffer, which
-        # then goes to its device as it is (one allocation per byte, not a whole array + slices)
-        arr = reader.array(rec)
+    if rec["k"] == "array" and boxes:
+        # read each distinct target shard into its own aligned buffer, which then goes to its
+        # device as it is (one allocation per byte, not a whole array + slices). Shards that cut
+        # through chunks share them: a small chunk cache decodes and reads each chunk once.
+        aligned = all(_aligned(b, rec["ch"], shape) for b in boxes)
+        nbytes = math.prod(shape) * np.dtype(fmt.storage_dtype(rec["dt"])).itemsize
+        arr = reader.array(rec, cache_bytes=0 if aligned else min(nbytes, CHUNK_CACHE_BYTES))
         hosts: dict = {}
         for b in boxes:
             if b not in hosts:
