@@ -9,11 +9,11 @@ Example::
     tree = restore(store, 10, target=abstract_state)   # onto the target's shardings, its classes
 
 Who calls what: `CheckpointManager.restore` on every process. The manifest is read and validated
-first; then leaves are read on a few threads. Per leaf, each process reads what its target
-shards need: when every shard it holds is whole chunks, each distinct shard is decoded straight
-into its own 64-byte-aligned buffer (CPU devices adopt it without a copy); otherwise the bounding
-box of its shards is read once (tensorstore reads only the chunks it touches) and sliced. Host
-buffers go to their devices in one batched `jax.device_put`. crc32c checksums are verified on
+first; then leaves are read on a few threads. Per array leaf, each process reads only what its
+target shards need: each distinct shard is decoded straight into its own 64-byte-aligned buffer
+(CPU devices adopt it without a copy); when shards cut through chunks, a small per-leaf chunk
+cache makes each chunk read and decoded once. Packed leaves come from their blob. Host buffers
+go to their devices in one batched `jax.device_put`. crc32c checksums are verified on
 every chunk and packed leaf read.
 """
 
