@@ -159,9 +159,10 @@ class LocalStore(Store):
         return rel
 
     def sync(self, rels: list[str]) -> None:
-        """fsync the given files and trees (files in parallel: fsync releases the GIL, and the
-        device is kept busy with several flushes at once), then their directories."""
-        files, dirs = [], []
+        """fsync the given files and the files of the given trees, in parallel (fsync releases
+        the GIL, and the device is kept busy with several flushes at once). Directories are
+        fsynced once, by `publish`, for the whole staging tree."""
+        files = []
         for rel in rels:
             top = self.path(rel)
             if os.path.isfile(top):
@@ -169,7 +170,6 @@ class LocalStore(Store):
                 continue
             for dirpath, _, names in os.walk(top):
                 files += [os.path.join(dirpath, f) for f in names]
-                dirs.append(dirpath)
 
         def one(path):
             try:
@@ -183,8 +183,6 @@ class LocalStore(Store):
         else:
             for f in files:
                 one(f)
-        for d in dirs:
-            _fsync_path(d, directory=True)
 
     def _sync_dirs(self, rel: str) -> None:
         """fsync every directory of a staging tree (the writers fsynced their own files)."""
