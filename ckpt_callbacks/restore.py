@@ -10,9 +10,10 @@ Example::
 
 Who calls what: `CheckpointManager.restore` on every process. The manifest is read and validated
 first; then leaves are read on a few threads. Per array leaf, each process reads only what its
-target shards need: each distinct shard is decoded straight into its own 64-byte-aligned buffer
-(CPU devices adopt it without a copy); when shards cut through chunks, a small per-leaf chunk
-cache makes each chunk read and decoded once. Packed leaves come from their blob. Host buffers
+target shards need: each distinct shard is read straight into its own 64-byte-aligned buffer
+(CPU devices adopt it without a copy) — from a local directory by `chunkread` when the shard is
+made of whole chunks, else through tensorstore; when shards cut through chunks, a small per-leaf
+chunk cache makes each chunk read and decoded once. Packed leaves come from their blob. Host buffers
 go to their devices in one batched `jax.device_put`. crc32c checksums are verified on
 every chunk and packed leaf read.
 """
@@ -31,7 +32,7 @@ import numpy as np
 import tensorstore as ts
 
 from . import format as fmt
-from . import layout, treepath
+from . import chunkread, layout, treepath
 from .errors import CorruptCheckpointError, IncompatibleCheckpointError
 from .storage import Store
 
@@ -147,6 +148,9 @@ class leaf_reader:
             return full[tuple(slice(a, b) for a, b in box)]
         arr = arr if arr is not None else self.array(rec)
         out = _aligned_empty(layout.box_shape(box), fmt.storage_dtype(rec["dt"]))
+        if self.store.local and _aligned(box, rec["ch"], rec["sh"]) and chunkread.direct(arr):
+            chunkread.read_box(self.store.path(f"{self.base}/{rec['z']}"), rec, box, out, where)
+            return out.view(fmt.logical_dtype(rec["dt"]))
         try:
             # decoded straight into our buffer: 64-byte aligned, so a CPU device can adopt it
             # without another copy (`jax.device_put` copies misaligned host arrays)
@@ -158,6 +162,7 @@ class leaf_reader:
 
 
 def _aligned_empty(shape, dtype) -> np.ndarray:
+    """An uninitialised host buffer a CPU device can adopt without a copy (64-byte aligned)."""
     dtype = np.dtype(dtype)
     n = math.prod(shape) * dtype.itemsize
     raw = np.empty(n + 64, np.uint8)

@@ -1,0 +1,109 @@
+"""Direct reads of whole local zarr3 chunks: byte-identical to tensorstore's reads, strict about damage."""
+
+import itertools
+import os
+
+import numpy as np
+import pytest
+import tensorstore as ts
+
+from ckpt_callbacks import chunkread
+from ckpt_callbacks import format as fmt
+from ckpt_callbacks.errors import CorruptCheckpointError
+from ckpt_callbacks.restore import _aligned_empty
+from ckpt_callbacks.storage import open_store
+from ckpt_callbacks.writing import zarr_spec
+from helpers import random_array
+
+CASES = [  # shape, chunks, dtype
+    ((64, 48), (16, 48), "float32"),      # chunks contiguous in any row band
+    ((64, 48), (16, 16), "int16"),        # chunks not contiguous in a multi-chunk box
+    ((50, 30), (16, 16), "float64"),      # edge chunks padded in their files
+    ((7, 5, 3), (2, 5, 3), "uint8"),
+    ((33,), (8,), "bool"),
+    ((), (), "int32"),                    # 0-d: one chunk file named "c"
+    ((0, 4), (1, 4), "float32"),          # empty: no chunk files at all
+]
+
+
+def write(ckdir, shape, chunks, dtype, seed=0):
+    store = open_store(str(ckdir))
+    rec = {"sh": list(shape), "ch": list(chunks), "dt": dtype}
+    x = random_array(shape, dtype, seed)
+    arr = ts.open(zarr_spec(store, "a", rec), create=True).result()
+    arr.write(x).result()
+    return store.path("a"), rec, x, ts.open({"driver": "zarr3", "kvstore": store.kvstore("a"), "open": True}).result()
+
+
+def aligned_boxes(shape, chunks):
+    """Every box that starts on a chunk boundary and ends on one or at the edge."""
+    per_dim = []
+    for n, c in zip(shape, chunks):
+        cuts = sorted(set(range(0, n, c)) | {n})
+        per_dim.append([(a, b) for a, b in itertools.combinations(cuts, 2)] or [(0, 0)])
+    return list(itertools.product(*per_dim))
+
+
+@pytest.mark.parametrize("shape,chunks,dtype", CASES)
+def test_direct_reads_match_tensorstore_for_every_aligned_box(tmp_path, shape, chunks, dtype):
+    root, rec, x, arr = write(tmp_path, shape, chunks, dtype)
+    assert chunkread.direct(arr)
+    for box in aligned_boxes(shape, chunks)[:60]:
+        out = _aligned_empty(tuple(b - a for a, b in box), np.dtype(dtype))
+        chunkread.read_box(root, rec, box, out, "['x']")
+        want = arr[tuple(slice(a, b) for a, b in box)].read().result()
+        assert out.tobytes() == np.asarray(want).tobytes(), box
+
+
+def _chunk(root, *idx):
+    return os.path.join(root, "c", *map(str, idx))
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "grow", "delete", "flip_crc"])
+def test_damaged_chunk_is_refused_with_the_key_path(tmp_path, damage):
+    root, rec, x, _ = write(tmp_path, (64, 48), (16, 16), "float32")
+    path = _chunk(root, 1, 2)
+    data = bytearray(open(path, "rb").read())
+    if damage == "flip":
+        data[100] ^= 0x10
+    elif damage == "flip_crc":
+        data[-1] ^= 0x01
+    elif damage == "truncate":
+        data = data[:-10]
+    elif damage == "grow":
+        data += b"\0"
+    if damage == "delete":
+        os.remove(path)
+    else:
+        open(path, "wb").write(bytes(data))
+    out = _aligned_empty((64, 48), np.float32)
+    with pytest.raises(CorruptCheckpointError, match=r"\['params'\]\['w'\]") as e:
+        chunkread.read_box(root, rec, ((0, 64), (0, 48)), out, "['params']['w']")
+    assert e.value.key_path == "['params']['w']"
+    # the chunks that are intact still read, box by box
+    good = _aligned_empty((16, 48), np.float32)
+    chunkread.read_box(root, rec, ((0, 16), (0, 48)), good, "['params']['w']")
+    np.testing.assert_array_equal(good, x[:16])
+
+
+def test_other_codecs_are_left_to_tensorstore(tmp_path):
+    spec = {"driver": "zarr3", "kvstore": {"driver": "file", "path": str(tmp_path / "z")},
+            "metadata": {"shape": [8, 8], "data_type": "float32",
+                         "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [4, 4]}},
+                         "codecs": [{"name": "bytes", "configuration": {"endian": "big"}}, {"name": "crc32c"}]}}
+    arr = ts.open(spec, create=True).result()
+    assert not chunkread.direct(arr)
+    spec["kvstore"]["path"] = str(tmp_path / "z2")
+    spec["metadata"]["codecs"] = [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "zstd"}]
+    assert not chunkread.direct(ts.open(spec, create=True).result())
+
+
+def test_storage_dtype_of_exotic_dtypes_reads_bit_exactly(tmp_path):
+    x = random_array((32, 16), "bfloat16", 3)
+    store = open_store(str(tmp_path))
+    rec = {"sh": [32, 16], "ch": [8, 16], "dt": "bfloat16"}
+    arr = ts.open(zarr_spec(store, "b", rec), create=True).result()
+    arr.write(x.view(fmt.storage_dtype("bfloat16"))).result()
+    out = _aligned_empty((16, 16), fmt.storage_dtype("bfloat16"))
+    chunkread.read_box(store.path("b"), rec, ((8, 24), (0, 16)), out, "['b']")
+    assert out.view(x.dtype).tobytes() == x[8:24].tobytes()
