@@ -25,7 +25,7 @@ import numpy as np
 from .errors import CorruptCheckpointError, IncompatibleCheckpointError
 
 __all__ = ["FORMAT_VERSION", "MANIFEST", "step_name", "parse_step_name", "pack_manifest",
-           "unpack_manifest", "pack_bins", "crc32c", "storage_dtype", "logical_dtype", "dtype_name"]
+           "unpack_manifest", "pack_bins", "bin_entries", "crc32c", "storage_dtype", "logical_dtype", "dtype_name"]
 
 FORMAT_VERSION = 1
 MAGIC = "ckpt_callbacks"
@@ -87,19 +87,72 @@ def storage_dtype(name: str) -> str:
     return "uint%d" % (8 * logical_dtype(name).itemsize)
 
 
-def pack_bins(items: list) -> list:
-    """A msgpack array of bin entries, as a list of buffers to write one after another (the same
-    bytes as ``msgpack.packb(items)``, without copying the items into one buffer first)."""
-    n = len(items)
-    head = bytes([0x90 | n]) if n < 16 else (b"\xdc" + n.to_bytes(2, "big") if n < 1 << 16
-                                             else b"\xdd" + n.to_bytes(4, "big"))
-    out = [head]
+BLOB_ALIGN = 64   # where each packed leaf's bytes start in its blob file (CPU devices adopt them)
+
+
+def _bin_head(size: int) -> bytes:
+    return (b"\xc4" + size.to_bytes(1, "big") if size < 1 << 8 else
+            b"\xc5" + size.to_bytes(2, "big") if size < 1 << 16 else b"\xc6" + size.to_bytes(4, "big"))
+
+
+def pack_bins(items: list, align: int = 1) -> tuple[list, list]:
+    """A msgpack array of bin entries, as a list of buffers to write one after another, and the
+    entry index of each item (the same bytes as ``msgpack.packb(items)`` when ``align`` is 1, and
+    without copying the items into one buffer first).
+
+    With ``align`` > 1 a padding bin entry goes before each item so that the item's bytes start
+    at a multiple of ``align`` in the file: a reader that loads the file into an aligned buffer
+    can hand views of it to devices without copying. Any msgpack reader sees a plain array of
+    bins; items are found by the returned indices (the manifest's ``bi``)."""
+    n = len(items) * (2 if align > 1 else 1)
+    out = [bytes([0x90 | n]) if n < 16 else (b"\xdc" + n.to_bytes(2, "big") if n < 1 << 16
+                                              else b"\xdd" + n.to_bytes(4, "big"))]
+    pos, index, k = len(out[0]), [], 0
     for it in items:
         size = memoryview(it).nbytes
-        out.append(b"\xc4" + size.to_bytes(1, "big") if size < 1 << 8 else
-                   b"\xc5" + size.to_bytes(2, "big") if size < 1 << 16 else b"\xc6" + size.to_bytes(4, "big"))
-        out.append(it)
-    return out
+        head = _bin_head(size)
+        if align > 1:
+            pad = -(pos + 2 + len(head)) % align
+            out.append(_bin_head(pad) + bytes(pad))   # pad < 256: a two-byte head
+            pos, k = pos + 2 + pad, k + 1
+        index.append(k)
+        out += [head, it]
+        pos, k = pos + len(head) + size, k + 1
+    return out, index
+
+
+def bin_entries(buf) -> list[tuple[int, int]]:
+    """(offset, length) of every entry of a msgpack array of bins in `buf`, without copying.
+    Raises ValueError unless `buf` is exactly such an array (hostile files are refused)."""
+    data = memoryview(buf).cast("B")
+    end = len(data)
+
+    def take(pos, k):
+        if pos + k > end:
+            raise ValueError("truncated")
+        return int.from_bytes(data[pos:pos + k], "big"), pos + k
+
+    if not end:
+        raise ValueError("empty")
+    tag = data[0]
+    if tag & 0xF0 == 0x90:
+        count, pos = tag & 0x0F, 1
+    elif tag in (0xDC, 0xDD):
+        count, pos = take(1, 2 if tag == 0xDC else 4)
+    else:
+        raise ValueError("not a msgpack array")
+    entries = []
+    for _ in range(count):
+        if pos >= end or data[pos] not in (0xC4, 0xC5, 0xC6):
+            raise ValueError("an entry is not a bin")
+        size, pos = take(pos + 1, {0xC4: 1, 0xC5: 2, 0xC6: 4}[data[pos]])
+        if pos + size > end:
+            raise ValueError("truncated")
+        entries.append((pos, size))
+        pos += size
+    if pos != end:
+        raise ValueError("trailing bytes")
+    return entries
 
 
 def pack_manifest(manifest: dict) -> bytes:

@@ -33,7 +33,7 @@ import tensorstore as ts
 
 from . import format as fmt
 from . import chunkread, layout, treepath
-from .errors import CorruptCheckpointError, IncompatibleCheckpointError
+from .errors import CheckpointNotFoundError, CorruptCheckpointError, IncompatibleCheckpointError
 from .storage import Store
 
 __all__ = ["restore", "read_manifest", "read_host_state", "leaf_reader"]
@@ -63,39 +63,69 @@ class leaf_reader:
         self.base = fmt.step_name(step)
         self._blobs: dict = {}
         self._lock = threading.Lock()   # leaves are restored from several threads
+        self._loading: dict = {}        # one lock per blob: different blobs load in parallel
 
-    def _blob(self, rel: str, where: str) -> list:
+    def _blob(self, rel: str, where: str) -> tuple:
         with self._lock:
+            lock = self._loading.setdefault(rel, threading.Lock())
+        with lock:
             return self._load_blob(rel, where)
 
-    def _load_blob(self, rel: str, where: str) -> list:
+    def prefetch(self, recs: list) -> None:
+        """Load every blob of `recs` at once, on a few threads (leaves then only slice them)."""
+        first: dict = {}
+        for r in recs:
+            if r["k"] == "packed":
+                first.setdefault(r["b"], treepath.keystr(tuple(map(tuple, r["p"]))))
+        _map(lambda rel: self._blob(rel, first[rel]), list(first))
+
+    def _load_blob(self, rel: str, where: str):
         if rel not in self._blobs:
             try:
-                data = self.store.read(f"{self.base}/{rel}")
-            except FileNotFoundError:
+                buf = self._read_aligned(f"{self.base}/{rel}")
+            except (FileNotFoundError, CheckpointNotFoundError):
                 raise CorruptCheckpointError(f"{where}: blob {rel} is missing", where) from None
             try:
-                entries = fmt._unpack(data)
-                assert isinstance(entries, list)
-            except Exception:
-                raise CorruptCheckpointError(f"{where}: blob {rel} is damaged (not a msgpack list)", where) from None
-            self._blobs[rel] = entries
+                entries = fmt.bin_entries(buf)
+            except ValueError as e:
+                raise CorruptCheckpointError(f"{where}: blob {rel} is damaged (not a msgpack array of bins: {e})",
+                                             where) from None
+            self._blobs[rel] = (buf, entries)
         return self._blobs[rel]
+
+    def _read_aligned(self, rel: str) -> np.ndarray:
+        """A whole file in one aligned buffer: packed leaves are views of it (blobs written with
+        aligned entries then go to CPU devices without a copy)."""
+        if not self.store.local:
+            data = self.store.read(rel)
+            buf = _aligned_empty((len(data),), np.uint8)
+            buf[:] = np.frombuffer(data, np.uint8)
+            return buf
+        with open(self.store.path(rel), "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            buf = _aligned_empty((size,), np.uint8)
+            if f.readinto(memoryview(buf)) != size:
+                raise CorruptCheckpointError(f"{rel} changed size while being read")
+        return buf
 
     def packed(self, rec: dict, writable: bool = True) -> np.ndarray:
         where = treepath.keystr(tuple(map(tuple, rec["p"])))
-        entries = self._blob(rec["b"], where)
-        if not 0 <= rec["bi"] < len(entries) or not isinstance(entries[rec["bi"]], bytes):
+        buf, entries = self._blob(rec["b"], where)
+        if not isinstance(rec["bi"], int) or not 0 <= rec["bi"] < len(entries):
             raise CorruptCheckpointError(f"{where}: entry {rec['bi']} missing from blob {rec['b']}", where)
-        raw = entries[rec["bi"]]
+        off, n = entries[rec["bi"]]
+        raw = buf[off:off + n]
         if fmt.crc32c(raw) != rec["crc"]:
             raise CorruptCheckpointError(f"{where}: checksum mismatch in {rec['b']} (the data is damaged)", where)
         dt = fmt.logical_dtype(rec["dt"])
-        if len(raw) != math.prod(rec["sh"]) * dt.itemsize:
-            raise CorruptCheckpointError(f"{where}: {len(raw)} bytes stored, shape {rec['sh']} needs "
+        if n != math.prod(rec["sh"]) * dt.itemsize:
+            raise CorruptCheckpointError(f"{where}: {n} bytes stored, shape {rec['sh']} needs "
                                          f"{math.prod(rec['sh']) * dt.itemsize}", where)
-        out = np.frombuffer(raw, dtype=fmt.storage_dtype(rec["dt"])).view(dt).reshape(rec["sh"])
-        return out.copy() if writable else out   # read-only views of the blob feed device transfers
+        out = raw.view(fmt.storage_dtype(rec["dt"])).view(dt).reshape(rec["sh"])
+        if writable:
+            return out.copy()
+        out.flags.writeable = False   # views of the blob feed device transfers (CPU devices adopt them)
+        return out
 
     def array(self, rec: dict, cache_bytes: int = 0):
         """The opened tensorstore of an array leaf (metadata checked against the manifest).
@@ -222,6 +252,7 @@ def restore(store: Store, step: int, target=None, *, manifest: dict | None = Non
     m = manifest or read_manifest(store, step)
     recs = m["leaves"]
     reader = leaf_reader(store, step, m)
+    reader.prefetch(recs)
     if target is None:
         leaves = _map(lambda rec: _restore_leaf(reader, rec, None), recs)
         return treepath.rebuild(m["tree"], leaves)

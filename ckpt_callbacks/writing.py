@@ -224,8 +224,9 @@ def _consume(store, staging, snap, items, arrays, budget):
         if not blob:
             return
         rel = f"blobs/p{snap.process_index}-{nblob}.msgpack"
-        store.write(f"{staging}/{rel}", fmt.pack_bins(blob), sync=False)   # store.sync(mine) makes it durable
-        for j, (leaf, crc) in enumerate(blob_leaves):
+        parts, index = fmt.pack_bins(blob, align=fmt.BLOB_ALIGN)
+        store.write(f"{staging}/{rel}", parts, sync=False)   # store.sync(mine) makes it durable
+        for j, (leaf, crc) in zip(index, blob_leaves):
             packed_info[leaf] = [rel, j, crc]
         if budget:
             budget.release(blob_bytes)

@@ -107,7 +107,35 @@ def test_pack_bins_is_byte_identical_to_msgpack():
     @given(st.lists(st.binary(max_size=300), max_size=40), st.sampled_from([0, 255, 256, 65535, 65536]))
     def check(items, big):
         items = items + [b"z" * big]
-        parts = fmt.pack_bins(items)
-        assert b"".join(bytes(p) for p in parts) == msgpack.packb(items, use_bin_type=True)
+        parts, index = fmt.pack_bins(items)
+        blob = b"".join(bytes(p) for p in parts)
+        assert blob == msgpack.packb(items, use_bin_type=True) and index == list(range(len(items)))
+        assert [blob[o:o + n] for o, n in fmt.bin_entries(blob)] == items
 
     check()
+
+
+def test_aligned_blobs_start_every_item_on_the_boundary_and_stay_plain_msgpack():
+    from hypothesis import given, settings, strategies as st
+
+    @settings(max_examples=200, deadline=None)
+    @given(st.lists(st.binary(max_size=300), max_size=40), st.sampled_from([0, 1, 255, 256, 65535, 65536]))
+    def check(items, big):
+        items = items + [b"z" * big]
+        parts, index = fmt.pack_bins(items, align=fmt.BLOB_ALIGN)
+        blob = b"".join(bytes(p) for p in parts)
+        decoded = msgpack.unpackb(blob)
+        assert [decoded[i] for i in index] == items
+        entries = fmt.bin_entries(blob)
+        for i, item in zip(index, items):
+            off, n = entries[i]
+            assert off % fmt.BLOB_ALIGN == 0 and blob[off:off + n] == item
+
+    check()
+
+
+@pytest.mark.parametrize("blob", [b"", b"\x91", b"\x91\xc4\x05abc", b"\x91\xa3abc", b"\x80",
+                                  b"\x91\xc4\x01ab", b"\xdc\x00", b"\x92\xc4\x00"])
+def test_bin_entries_refuses_anything_but_an_exact_array_of_bins(blob):
+    with pytest.raises(ValueError):
+        fmt.bin_entries(blob)
