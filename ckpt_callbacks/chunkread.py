@@ -16,13 +16,13 @@ Called by restore worker threads, on every process, for the boxes that process n
 
 from __future__ import annotations
 
-import itertools
 import math
 import os
 
 import numpy as np
 
 from . import format as fmt
+from . import layout
 from .errors import CorruptCheckpointError
 
 def direct(arr) -> bool:
@@ -59,9 +59,8 @@ def read_box(root: str, rec: dict, box, out: np.ndarray, where: str) -> None:
     shape, chunks = rec["sh"], rec["ch"]
     item = out.dtype.itemsize
     chunk_bytes = math.prod(chunks) * item
-    ranges = [range(lo // c, -(-hi // c)) for (lo, hi), c in zip(box, chunks)]
     scratch = None
-    for idx in itertools.product(*ranges):
+    for idx in layout.chunks_of(box, chunks):
         region = tuple(slice(i * c - lo, min((i + 1) * c, n) - lo)
                        for i, c, n, (lo, _) in zip(idx, chunks, shape, box))
         view = out[region + (Ellipsis,)]   # a view even when 0-d

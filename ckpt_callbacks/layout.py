@@ -8,15 +8,18 @@ Example::
 Who calls what: the snapshot (every process, identically) asks `unique_boxes` for the distinct
 shards of each array, `assign` for which process writes each (so that exactly one copy of every
 replicated shard is written, and replicated bytes are spread over processes), and `chunk_shape`
-for a zarr chunk grid aligned to the shards and capped in bytes. Restore uses `bounding` (and `box_of`).
+for a zarr chunk grid aligned to the shards and capped in bytes. Restore uses `bounding` (and `box_of`);
+the writer's early fsyncs and the restore's direct chunk reads use `chunks_of`.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Sequence
 
-__all__ = ["Box", "box_of", "unique_boxes", "chunk_shape", "assign", "intersect", "bounding", "box_shape"]
+__all__ = ["Box", "box_of", "unique_boxes", "chunk_shape", "assign", "intersect", "bounding", "box_shape",
+           "chunks_of"]
 
 Box = tuple  # tuple of (start, stop) per dimension
 
@@ -90,3 +93,9 @@ def intersect(a: Box, b: Box) -> Box | None:
 
 def bounding(boxes: Sequence[Box]) -> Box:
     return tuple((min(b[d][0] for b in boxes), max(b[d][1] for b in boxes)) for d in range(len(boxes[0])))
+
+
+def chunks_of(box: Box, chunks: Sequence[int]) -> list[tuple]:
+    """Grid indices of the chunks that `box` touches, in C order (``[()]`` for a 0-d array)."""
+    ranges = [range(lo // c, -(-hi // c)) if hi > lo else range(0) for (lo, hi), c in zip(box, chunks)]
+    return list(itertools.product(*ranges))

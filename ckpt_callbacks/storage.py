@@ -62,8 +62,8 @@ class Store:
         """`lead` is True on the one process (0) that owns the step's staging and publishes it."""
         raise NotImplementedError
 
-    def sync(self, rels: list[str]) -> None:
-        pass
+    def sync(self, rels: list[str], skip=frozenset()) -> None:
+        """Make the given files and trees durable (`skip`: relative paths of files already synced)."""
 
     def publish(self, staging: str, step: int, replace: bool = False) -> None:
         raise NotImplementedError
@@ -158,11 +158,12 @@ class LocalStore(Store):
         os.makedirs(self.path(rel), exist_ok=True)
         return rel
 
-    def sync(self, rels: list[str]) -> None:
+    def sync(self, rels: list[str], skip=frozenset()) -> None:
         """fsync the given files and the files of the given trees, in parallel (fsync releases
-        the GIL, and the device is kept busy with several flushes at once). Directories are
-        fsynced once, by `publish`, for the whole staging tree."""
+        the GIL, and the device is kept busy with several flushes at once), except the relative
+        paths in `skip`. Directories are fsynced once, by `publish`, for the whole staging tree."""
         files = []
+        skip = {self.path(r) for r in skip}
         for rel in rels:
             top = self.path(rel)
             if os.path.isfile(top):
@@ -170,6 +171,7 @@ class LocalStore(Store):
                 continue
             for dirpath, _, names in os.walk(top):
                 files += [os.path.join(dirpath, f) for f in names]
+        files = [f for f in files if f not in skip]
 
         def one(path):
             try:

@@ -14,7 +14,8 @@ Who calls what, in order, on which process (every process runs this function for
   1. ``store.begin`` -> staging location; process 0 creates every zarr array's metadata; barrier.
   2. consume the queue: zarr writes (tensorstore futures) and msgpack blobs of packed leaves,
      releasing the byte budget as each lands; then the per-process host-state blob.
-  3. ``store.sync`` this process's files; gather every process's status and packed-leaf checksums.
+  3. ``store.sync`` this process's files (local chunk files are fsynced as each box lands, the
+     rest at the end); gather every process's status and packed-leaf checksums.
   4. process 0 writes the manifest and ``store.publish``es (rename / marker) only if every process
      succeeded, else removes the staging data; the outcome is broadcast, and every process raises
      `CheckpointSaveError` (with each process's failure) when the save failed.
@@ -22,7 +23,9 @@ Who calls what, in order, on which process (every process runs this function for
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+import threading
 import time
 
 import msgpack
@@ -30,6 +33,7 @@ import numpy as np
 import tensorstore as ts
 
 from . import format as fmt
+from . import layout
 from .coordination import CoordinationTimeoutError, Coordinator, SingleProcess
 from .errors import CheckpointSaveError
 from .snapshot import BLOB_MAX_BYTES, ByteBudget, Snapshot
@@ -98,13 +102,13 @@ def write_and_commit(store: Store, step: int, snap: Snapshot, items, *, coord: C
     try:
         staging = store.begin(step, token, lead=pi == 0)
         arrays = _open_arrays(store, staging, snap, coord, timeout_s, f"meta/{step}/{token}")
-        written, files, packed_info, mine = _consume(store, staging, snap, items, arrays, budget)
+        written, files, packed_info, mine, synced = _consume(store, staging, snap, items, arrays, budget)
         if host_state is not None:
             rel = f"host/p{pi}.msgpack"
             store.write(f"{staging}/{rel}", host_state, sync=False)   # made durable by store.sync below
             files += 1
             mine.append(rel)
-        store.sync([f"{staging}/{r}" for r in mine])
+        store.sync([f"{staging}/{r}" for r in mine], skip=synced)
     except BaseException as e:  # noqa: BLE001 - reported to every process, then re-raised
         error = store.scrub(e)  # object stores: the message without endpoint or credentials
         if budget:
@@ -209,6 +213,44 @@ def _open_arrays(store, staging, snap, coord, timeout_s, barrier_name) -> dict:
     return arrays
 
 
+class _EarlySync:
+    """fsync each box's chunk files as soon as tensorstore has written them (local stores only),
+    so the device flushes early leaves while later ones are still being written; the final
+    `store.sync` then skips what is done. Errors re-raise from `close` (the save fails)."""
+
+    def __init__(self, store: Store):
+        self.store, self.done = store, set()
+        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="ckpt-fsync")
+        self.futures: list = []
+        self.lock = threading.Lock()
+        self.closed = False
+
+    def _sync(self, rels: list) -> None:
+        self.store.sync(rels)
+        with self.lock:
+            self.done.update(rels)
+
+    def after(self, rels: list):
+        """A done-callback for the write future of the box whose chunk files are `rels`."""
+        def cb(fut):
+            with self.lock:
+                if not self.closed and not fut.cancelled() and fut.exception() is None:
+                    self.futures.append(self.pool.submit(self._sync, rels))
+        return cb
+
+    def close(self) -> set:
+        """Wait for the fsyncs started; the relative paths made durable (a late box is left to the
+        final sync)."""
+        with self.lock:
+            self.closed = True
+        try:
+            for f in self.futures:
+                f.result()
+        finally:
+            self.pool.shutdown(wait=True)
+        return self.done
+
+
 def _consume(store, staging, snap, items, arrays, budget):
     written = files = 0
     futures = []
@@ -218,6 +260,7 @@ def _consume(store, staging, snap, items, arrays, budget):
     blob_bytes = 0
     mine: set = set()
     nblob = 0
+    early = _EarlySync(store) if store.local else None
 
     def flush():
         nonlocal blob, blob_leaves, blob_bytes, nblob, written, files
@@ -263,6 +306,9 @@ def _consume(store, staging, snap, items, arrays, budget):
             fut = arrays[w.leaf][tuple(slice(a, b) for a, b in w.box)].write(data, can_reference_source_data_indefinitely=True)
             if budget:
                 fut.add_done_callback(released(w.nbytes))
+            if early:
+                fut.add_done_callback(early.after([f"{staging}/{rec['z']}/c" + "".join(f"/{i}" for i in idx)
+                                                   for idx in layout.chunks_of(w.box, rec["ch"])]))
             futures.append(fut)
             written += w.nbytes
             mine.add(rec["z"])
@@ -276,8 +322,14 @@ def _consume(store, staging, snap, items, arrays, budget):
                 f.result()
             except Exception:  # noqa: BLE001 - the first failure is what gets reported
                 pass
+        if early:
+            try:
+                early.close()
+            except Exception:  # noqa: BLE001 - the first failure is what gets reported
+                pass
         raise
-    return written, files, packed_info, sorted(mine)
+    synced = early.close() if early else set()
+    return written, files, packed_info, sorted(mine), synced
 
 
 def _manifest(step, snap: Snapshot, statuses, metrics, extra) -> dict:

@@ -60,3 +60,16 @@ def test_intersect_and_bounding():
     assert layout.intersect(((0, 4), (0, 4)), ((2, 6), (3, 9))) == ((2, 4), (3, 4))
     assert layout.intersect(((0, 4),), ((4, 6),)) is None
     assert layout.bounding([((0, 2), (4, 6)), ((2, 4), (0, 2))]) == ((0, 4), (0, 6))
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data(), shape=st.lists(st.integers(0, 40), min_size=0, max_size=3))
+def test_chunks_of_lists_exactly_the_chunks_a_box_touches(data, shape):
+    chunks = [data.draw(st.integers(1, max(1, n))) for n in shape]
+    box = tuple(sorted(data.draw(st.tuples(st.integers(0, n), st.integers(0, n)))) for n in shape)
+    got = layout.chunks_of(box, chunks)
+    # brute force: every element of the box lies in a listed chunk, and every listed chunk meets the box
+    touched = {tuple(i // c for i, c in zip(pt, chunks))
+               for pt in np.ndindex(*[hi - lo for lo, hi in box])
+               for pt in [tuple(p + lo for p, (lo, _) in zip(pt, box))]}
+    assert set(got) == touched and len(got) == len(set(got)) and got == sorted(got)
