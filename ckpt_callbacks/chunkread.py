@@ -1,14 +1,15 @@
 """Reading whole zarr3 chunks of a local checkpoint straight into restore buffers.
 
-    >>> # restore.py, for a box of a local array that starts and ends on chunk boundaries:
-    >>> # if chunkread.direct(arr): chunkread.read_box(root, rec, box, out, where)
+    >>> # restore.py, for the boxes a process needs of one local array leaf:
+    >>> # if chunkread.direct(arr): chunkread.read_boxes(root, rec, boxes, outs, where)
 
 The format's arrays are zarr3 with the ``bytes`` (little-endian, C order) and ``crc32c`` codecs
 (written by tensorstore, see writing.zarr_spec): a chunk file is the chunk's raw bytes followed by
 their CRC-32C. For local files that layout lets a restore ``preadv`` each chunk into the very
 buffer its device will adopt, and check the CRC on it, with no intermediate buffer: on small
 machines fresh memory is the cost of a restore, and tensorstore's read path touches each byte's
-memory twice (its own read buffer, then ours). Boxes that cut through chunks, arrays with other
+memory twice (its own read buffer, then ours). Chunks that several target shards share (a
+restore onto another mesh) are read once into a scratch buffer and split. Arrays with other
 codecs and object stores go through tensorstore (restore.leaf_reader.read_box).
 
 Called by restore worker threads, on every process, for the boxes that process needs.
@@ -52,41 +53,56 @@ def _read_exact(fd: int, bufs: list, nbytes: int, path: str, where: str) -> None
         done += got
 
 
-def read_box(root: str, rec: dict, box, out: np.ndarray, where: str) -> None:
-    """Fill `out` (shape of `box`, storage dtype, C order) with the chunks of array directory
-    `root` covering `box`. `box` must start on chunk boundaries and end on them or at the array's
-    edge. Raises CorruptCheckpointError naming `where` for a missing, short or damaged chunk."""
+def read_boxes(root: str, rec: dict, boxes: list, outs: list, where: str) -> None:
+    """Fill each ``outs[k]`` (shape of ``boxes[k]``, storage dtype, C order) from the chunk files of
+    array directory `root`. Each chunk any box touches is read once: straight into its box's
+    buffer when it lies whole and contiguous inside one box, else into a scratch buffer from which
+    every box it meets takes its part. Raises CorruptCheckpointError naming `where` for a missing,
+    short or damaged chunk."""
     shape, chunks = rec["sh"], rec["ch"]
-    item = out.dtype.itemsize
-    chunk_bytes = math.prod(chunks) * item
+    users: dict = {}
+    for k, box in enumerate(boxes):
+        for idx in layout.chunks_of(box, chunks):
+            users.setdefault(idx, []).append(k)
+    if not users:
+        return
+    chunk_bytes = math.prod(chunks) * outs[0].dtype.itemsize
     scratch = None
-    for idx in layout.chunks_of(box, chunks):
-        region = tuple(slice(i * c - lo, min((i + 1) * c, n) - lo)
-                       for i, c, n, (lo, _) in zip(idx, chunks, shape, box))
-        view = out[region + (Ellipsis,)]   # a view even when 0-d
+    for idx in sorted(users):
+        cbox = tuple((i * c, min((i + 1) * c, n)) for i, c, n in zip(idx, chunks, shape))
+        parts = []   # (view of an out, slices of the chunk) for every box the chunk meets
+        for k in users[idx]:
+            inter = layout.intersect(cbox, boxes[k])
+            view = outs[k][tuple(slice(a - lo, b - lo) for (a, b), (lo, _) in zip(inter, boxes[k])) + (Ellipsis,)]
+            parts.append((view, tuple(slice(a - c0, b - c0) for (a, b), (c0, _) in zip(inter, cbox))))
+        view = parts[0][0]
+        direct = len(parts) == 1 and view.nbytes == chunk_bytes and view.flags.c_contiguous
+        if direct:   # straight into the destination
+            dest = view.reshape(-1).view(np.uint8)
+        else:        # an edge chunk, one shared by boxes or not contiguous in its box: via scratch
+            scratch = scratch if scratch is not None else np.empty(chunk_bytes, np.uint8)
+            dest = scratch
         path = os.path.join(root, "c", *map(str, idx))
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except FileNotFoundError:
-            raise CorruptCheckpointError(f"{where}: chunk file {path} is missing", where) from None
-        try:
-            size = os.fstat(fd).st_size
-            if size != chunk_bytes + 4:
-                raise CorruptCheckpointError(f"{where}: chunk file {path} holds {size} bytes, "
-                                             f"expected {chunk_bytes + 4}", where)
-            tail = bytearray(4)
-            whole = view.nbytes == chunk_bytes and view.flags.c_contiguous
-            if whole:   # straight into the destination
-                dest = view.reshape(-1).view(np.uint8)
-            else:       # an edge chunk, or one not contiguous in `out`: via a scratch buffer
-                scratch = scratch if scratch is not None else np.empty(chunk_bytes, np.uint8)
-                dest = scratch
-            _read_exact(fd, [dest, tail], chunk_bytes + 4, path, where)
-        finally:
-            os.close(fd)
-        if fmt.crc32c(dest) != int.from_bytes(tail, "little"):
-            raise CorruptCheckpointError(f"{where}: checksum mismatch in chunk {path} (the data is damaged)",
-                                         where)
-        if not whole:
-            full = dest.view(out.dtype).reshape(chunks)
-            view[...] = full[tuple(slice(0, r.stop - r.start) for r in region)]
+        _read_chunk(path, dest, chunk_bytes, where)
+        if not direct:
+            full = dest.view(outs[0].dtype).reshape(chunks)
+            for view, sl in parts:
+                view[...] = full[sl + (Ellipsis,)]
+
+
+def _read_chunk(path: str, dest: np.ndarray, chunk_bytes: int, where: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        raise CorruptCheckpointError(f"{where}: chunk file {path} is missing", where) from None
+    try:
+        size = os.fstat(fd).st_size
+        if size != chunk_bytes + 4:
+            raise CorruptCheckpointError(f"{where}: chunk file {path} holds {size} bytes, "
+                                         f"expected {chunk_bytes + 4}", where)
+        tail = bytearray(4)
+        _read_exact(fd, [dest, tail], chunk_bytes + 4, path, where)
+    finally:
+        os.close(fd)
+    if fmt.crc32c(dest) != int.from_bytes(tail, "little"):
+        raise CorruptCheckpointError(f"{where}: checksum mismatch in chunk {path} (the data is damaged)", where)

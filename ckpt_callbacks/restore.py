@@ -171,24 +171,32 @@ class leaf_reader:
                 f"{len(keys)} chunk files{'' if stored is None else f' ({stored} bytes)'}: missing or truncated data",
                 where)
 
-    def read_box(self, rec: dict, box, arr=None, writable: bool = True) -> np.ndarray:
-        where = treepath.keystr(tuple(map(tuple, rec["p"])))
+    def read_box(self, rec: dict, box, writable: bool = True) -> np.ndarray:
         if rec["k"] == "packed":
             full = self.packed(rec, writable)
             return full[tuple(slice(a, b) for a, b in box)]
-        arr = arr if arr is not None else self.array(rec)
-        out = _aligned_empty(layout.box_shape(box), fmt.storage_dtype(rec["dt"]))
-        if self.store.local and _aligned(box, rec["ch"], rec["sh"]) and chunkread.direct(arr):
-            chunkread.read_box(self.store.path(f"{self.base}/{rec['z']}"), rec, box, out, where)
-            return out.view(fmt.logical_dtype(rec["dt"]))
-        try:
-            # decoded straight into our buffer: 64-byte aligned, so a CPU device can adopt it
-            # without another copy (`jax.device_put` copies misaligned host arrays)
-            ts.array(out).write(arr[tuple(slice(a, b) for a, b in box)]).result()
-        except Exception as e:
-            raise CorruptCheckpointError(f"{where}: reading {rec['z']} failed (damaged or missing chunk): "
-                                         f"{self.store.redact(str(e))[:300]}", where) from None
-        return out.view(fmt.logical_dtype(rec["dt"]))
+        return self.read_boxes(rec, [box])[0]
+
+    def read_boxes(self, rec: dict, boxes: list) -> list:
+        """One new 64-byte-aligned buffer per box of array leaf `rec` (a CPU device adopts it
+        without another copy; `jax.device_put` copies misaligned host arrays)."""
+        where = treepath.keystr(tuple(map(tuple, rec["p"])))
+        shared = not all(_aligned(b, rec["ch"], rec["sh"]) for b in boxes)
+        nbytes = math.prod(rec["sh"]) * np.dtype(fmt.storage_dtype(rec["dt"])).itemsize
+        # boxes that cut through chunks share them: tensorstore's chunk cache reads each once
+        arr = self.array(rec, cache_bytes=min(nbytes, CHUNK_CACHE_BYTES) if shared else 0)
+        # allocated only once the stored chunks are known to hold the declared shape
+        outs = [_aligned_empty(layout.box_shape(b), fmt.storage_dtype(rec["dt"])) for b in boxes]
+        if self.store.local and chunkread.direct(arr):
+            chunkread.read_boxes(self.store.path(f"{self.base}/{rec['z']}"), rec, boxes, outs, where)
+        else:
+            for b, out in zip(boxes, outs):
+                try:   # decoded straight into our buffer
+                    ts.array(out).write(arr[tuple(slice(lo, hi) for lo, hi in b)]).result()
+                except Exception as e:
+                    raise CorruptCheckpointError(f"{where}: reading {rec['z']} failed (damaged or missing chunk): "
+                                                 f"{self.store.redact(str(e))[:300]}", where) from None
+        return [out.view(fmt.logical_dtype(rec["dt"])) for out in outs]
 
 
 def _aligned_empty(shape, dtype) -> np.ndarray:
@@ -336,15 +344,9 @@ def _restore_leaf(reader: leaf_reader, rec: dict, t):
     boxes = [layout.box_of(idx, shape) for idx in dmap.values()]
     if rec["k"] == "array" and boxes:
         # read each distinct target shard into its own aligned buffer, which then goes to its
-        # device as it is (one allocation per byte, not a whole array + slices). Shards that cut
-        # through chunks share them: a small chunk cache decodes and reads each chunk once.
-        aligned = all(_aligned(b, rec["ch"], shape) for b in boxes)
-        nbytes = math.prod(shape) * np.dtype(fmt.storage_dtype(rec["dt"])).itemsize
-        arr = reader.array(rec, cache_bytes=0 if aligned else min(nbytes, CHUNK_CACHE_BYTES))
-        hosts: dict = {}
-        for b in boxes:
-            if b not in hosts:
-                hosts[b] = reader.read_box(rec, b, arr)
+        # device as it is (one allocation per byte, not a whole array + slices)
+        distinct = list(dict.fromkeys(boxes))
+        hosts = dict(zip(distinct, reader.read_boxes(rec, distinct)))
         return _Shards(shape, sharding, [(d, hosts[b]) for d, b in zip(dmap, boxes)])
     if not boxes:
         host, bbox = None, full

@@ -50,7 +50,7 @@ def test_direct_reads_match_tensorstore_for_every_aligned_box(tmp_path, shape, c
     assert chunkread.direct(arr)
     for box in aligned_boxes(shape, chunks)[:60]:
         out = _aligned_empty(tuple(b - a for a, b in box), np.dtype(dtype))
-        chunkread.read_box(root, rec, box, out, "['x']")
+        chunkread.read_boxes(root, rec, [box], [out], "['x']")
         want = arr[tuple(slice(a, b) for a, b in box)].read().result()
         assert out.tobytes() == np.asarray(want).tobytes(), box
 
@@ -78,11 +78,11 @@ def test_damaged_chunk_is_refused_with_the_key_path(tmp_path, damage):
         open(path, "wb").write(bytes(data))
     out = _aligned_empty((64, 48), np.float32)
     with pytest.raises(CorruptCheckpointError, match=r"\['params'\]\['w'\]") as e:
-        chunkread.read_box(root, rec, ((0, 64), (0, 48)), out, "['params']['w']")
+        chunkread.read_boxes(root, rec, [((0, 64), (0, 48))], [out], "['params']['w']")
     assert e.value.key_path == "['params']['w']"
     # the chunks that are intact still read, box by box
     good = _aligned_empty((16, 48), np.float32)
-    chunkread.read_box(root, rec, ((0, 16), (0, 48)), good, "['params']['w']")
+    chunkread.read_boxes(root, rec, [((0, 16), (0, 48))], [good], "['params']['w']")
     np.testing.assert_array_equal(good, x[:16])
 
 
@@ -105,5 +105,20 @@ def test_storage_dtype_of_exotic_dtypes_reads_bit_exactly(tmp_path):
     arr = ts.open(zarr_spec(store, "b", rec), create=True).result()
     arr.write(x.view(fmt.storage_dtype("bfloat16"))).result()
     out = _aligned_empty((16, 16), fmt.storage_dtype("bfloat16"))
-    chunkread.read_box(store.path("b"), rec, ((8, 24), (0, 16)), out, "['b']")
+    chunkread.read_boxes(store.path("b"), rec, [((8, 24), (0, 16))], [out], "['b']")
     assert out.view(x.dtype).tobytes() == x[8:24].tobytes()
+
+
+@pytest.mark.parametrize("rows,cols", [([0, 24, 64], [0, 20, 48]), ([0, 32, 64], [0, 8, 16, 24, 32, 40, 48]),
+                                       ([0, 64], [0, 48]), ([0, 1, 63, 64], [0, 47, 48])])
+def test_boxes_that_cut_chunks_read_each_chunk_once(tmp_path, rows, cols):
+    from helpers import bytes_read
+    root, rec, x, _ = write(tmp_path, (64, 48), (16, 16), "float32")
+    boxes = [((r0, r1), (c0, c1)) for r0, r1 in zip(rows, rows[1:]) for c0, c1 in zip(cols, cols[1:])]
+    outs = [_aligned_empty((r1 - r0, c1 - c0), np.float32) for (r0, r1), (c0, c1) in boxes]
+    before = bytes_read()
+    chunkread.read_boxes(root, rec, boxes, outs, "['x']")
+    got = bytes_read() - before
+    assert 12 * (16 * 16 * 4 + 4) <= got < 12 * (16 * 16 * 4 + 4) + 512, got   # 4 x 3 chunks, each once
+    for ((r0, r1), (c0, c1)), out in zip(boxes, outs):
+        np.testing.assert_array_equal(out, x[r0:r1, c0:c1])
