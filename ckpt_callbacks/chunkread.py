@@ -1,7 +1,15 @@
 """Reading whole zarr3 chunks of a local checkpoint straight into restore buffers.
 
-    >>> # restore.py, for the boxes a process needs of one local array leaf:
-    >>> # if chunkread.direct(arr): chunkread.read_boxes(root, rec, boxes, outs, where)
+Example (what `restore.leaf_reader.read_boxes` does for a local array leaf)::
+
+    import numpy as np, tensorstore as ts
+    from ckpt_callbacks import chunkread
+    root = "/tmp/run/step_0000000010/arrays/0"
+    arr = ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": root}, "open": True}).result()
+    rec = {"sh": list(arr.shape), "ch": list(arr.chunk_layout.read_chunk.shape)}
+    out = np.empty(arr.shape, arr.dtype.numpy_dtype)
+    if chunkread.direct(arr):
+        chunkread.read_boxes(root, rec, [tuple((0, n) for n in arr.shape)], [out], "['w']")
 
 The format's arrays are zarr3 with the ``bytes`` (little-endian, C order) and ``crc32c`` codecs
 (written by tensorstore, see writing.zarr_spec): a chunk file is the chunk's raw bytes followed by
@@ -10,7 +18,7 @@ buffer its device will adopt, and check the CRC on it, with no intermediate buff
 machines fresh memory is the cost of a restore, and tensorstore's read path touches each byte's
 memory twice (its own read buffer, then ours). Chunks that several target shards share (a
 restore onto another mesh) are read once into a scratch buffer and split. Arrays with other
-codecs and object stores go through tensorstore (restore.leaf_reader.read_box).
+codecs and object stores go through tensorstore (restore.leaf_reader.read_boxes).
 
 Called by restore worker threads, on every process, for the boxes that process needs.
 """
@@ -25,6 +33,7 @@ import numpy as np
 from . import format as fmt
 from . import layout
 from .errors import CorruptCheckpointError
+
 
 def direct(arr) -> bool:
     """Whether the opened tensorstore `arr` stores chunks as raw C-order bytes + CRC-32C."""
