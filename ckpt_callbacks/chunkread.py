@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 import os
+import stat
 
 import numpy as np
 
@@ -104,13 +105,20 @@ def _read_chunk(path: str, dest: np.ndarray, chunk_bytes: int, where: str) -> No
         fd = os.open(path, os.O_RDONLY)
     except FileNotFoundError:
         raise CorruptCheckpointError(f"{where}: chunk file {path} is missing", where) from None
+    except OSError as e:   # e.g. a file where a chunk directory should be
+        raise CorruptCheckpointError(f"{where}: chunk file {path} cannot be opened: {e}", where) from None
     try:
-        size = os.fstat(fd).st_size
-        if size != chunk_bytes + 4:
-            raise CorruptCheckpointError(f"{where}: chunk file {path} holds {size} bytes, "
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise CorruptCheckpointError(f"{where}: chunk file {path} is not a regular file", where)
+        if st.st_size != chunk_bytes + 4:
+            raise CorruptCheckpointError(f"{where}: chunk file {path} holds {st.st_size} bytes, "
                                          f"expected {chunk_bytes + 4}", where)
         tail = bytearray(4)
-        _read_exact(fd, [dest, tail], chunk_bytes + 4, path, where)
+        try:
+            _read_exact(fd, [dest, tail], chunk_bytes + 4, path, where)
+        except OSError as e:
+            raise CorruptCheckpointError(f"{where}: reading chunk file {path} failed: {e}", where) from None
     finally:
         os.close(fd)
     if fmt.crc32c(dest) != int.from_bytes(tail, "little"):

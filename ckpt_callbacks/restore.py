@@ -85,6 +85,8 @@ class leaf_reader:
                 buf = self._read_aligned(f"{self.base}/{rel}")
             except (FileNotFoundError, CheckpointNotFoundError):
                 raise CorruptCheckpointError(f"{where}: blob {rel} is missing", where) from None
+            except (OSError, ValueError) as e:
+                raise CorruptCheckpointError(f"{where}: blob {rel} cannot be read: {e}", where) from None
             try:
                 entries = fmt.bin_entries(buf)
             except ValueError as e:
@@ -95,7 +97,8 @@ class leaf_reader:
 
     def _read_aligned(self, rel: str) -> np.ndarray:
         """A whole file in one aligned buffer: packed leaves are views of it (blobs written with
-        aligned entries then go to CPU devices without a copy)."""
+        aligned entries then go to CPU devices without a copy). The buffer lives as long as any
+        array restored from it: keeping one small restored leaf keeps its blob (≤ 64 MiB)."""
         if not self.store.local:
             data = self.store.read(rel)
             buf = _aligned_empty((len(data),), np.uint8)
@@ -105,7 +108,7 @@ class leaf_reader:
             size = os.fstat(f.fileno()).st_size
             buf = _aligned_empty((size,), np.uint8)
             if f.readinto(memoryview(buf)) != size:
-                raise CorruptCheckpointError(f"{rel} changed size while being read")
+                raise ValueError("it changed size while being read")
         return buf
 
     def packed(self, rec: dict, writable: bool = True) -> np.ndarray:
@@ -148,6 +151,9 @@ class leaf_reader:
                 or chunks != rec["ch"]):
             raise CorruptCheckpointError(f"{where}: array metadata {list(arr.shape)} {arr.dtype} chunks {chunks} "
                                          f"disagrees with the manifest {rec['sh']} {rec['dt']} {rec['ch']}", where)
+        codecs = arr.spec().to_json().get("metadata", {}).get("codecs") or [{}]
+        if codecs[-1] != {"name": "crc32c"}:   # the format checksums every chunk: never read unchecked
+            raise CorruptCheckpointError(f"{where}: array {rec['z']} has no crc32c codec (codecs {codecs})", where)
         self._check_backing(rec, where)
         return arr
 
@@ -260,8 +266,8 @@ def restore(store: Store, step: int, target=None, *, manifest: dict | None = Non
     m = manifest or read_manifest(store, step)
     recs = m["leaves"]
     reader = leaf_reader(store, step, m)
-    reader.prefetch(recs)
     if target is None:
+        reader.prefetch(recs)
         leaves = _map(lambda rec: _restore_leaf(reader, rec, None), recs)
         return treepath.rebuild(m["tree"], leaves)
     flat = treepath.flatten(target)
@@ -273,6 +279,7 @@ def restore(store: Store, step: int, target=None, *, manifest: dict | None = Non
         raise IncompatibleCheckpointError(
             f"step {step}: {len(problems)} leaf/leaves differ in shape or dtype:\n{lines}\n"
             f"Fix: restore onto a target built like the saved state, or pass target=None.", problems)
+    reader.prefetch(recs)
     leaves = _put(_map(lambda it: _restore_leaf(reader, recs[it[0]], it[1]), list(zip(order, flat.leaves))))
     treedef = jax.tree_util.tree_structure(target, is_leaf=lambda x: x is None)
     return jax.tree_util.tree_unflatten(treedef, leaves)

@@ -2,6 +2,7 @@
 
 import itertools
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -59,11 +60,19 @@ def _chunk(root, *idx):
     return os.path.join(root, "c", *map(str, idx))
 
 
-@pytest.mark.parametrize("damage", ["flip", "truncate", "grow", "delete", "flip_crc"])
+@pytest.mark.parametrize("damage", ["flip", "truncate", "grow", "delete", "flip_crc", "dir_is_file", "file_is_dir"])
 def test_damaged_chunk_is_refused_with_the_key_path(tmp_path, damage):
     root, rec, x, _ = write(tmp_path, (64, 48), (16, 16), "float32")
     path = _chunk(root, 1, 2)
     data = bytearray(open(path, "rb").read())
+    if damage in ("dir_is_file", "file_is_dir"):   # the tree itself is broken
+        if damage == "dir_is_file":
+            shutil.rmtree(os.path.dirname(path))
+            open(os.path.dirname(path), "wb").write(bytes(data))
+        else:
+            os.remove(path)
+            os.mkdir(path)
+        damage = "keep"
     if damage == "flip":
         data[100] ^= 0x10
     elif damage == "flip_crc":
@@ -74,7 +83,7 @@ def test_damaged_chunk_is_refused_with_the_key_path(tmp_path, damage):
         data += b"\0"
     if damage == "delete":
         os.remove(path)
-    else:
+    elif damage != "keep":
         open(path, "wb").write(bytes(data))
     out = _aligned_empty((64, 48), np.float32)
     with pytest.raises(CorruptCheckpointError, match=r"\['params'\]\['w'\]") as e:

@@ -181,3 +181,35 @@ def test_corrupt_newest_step_fallback_is_explicit_and_logged(ckdir, caplog):
     with pytest.raises(cc.CorruptCheckpointError):
         m.restore(step=3, fallback=True)                 # an explicit step never falls back
     m.close()
+
+
+@pytest.mark.parametrize("damage", ["dir_is_file", "file_is_dir"])
+def test_broken_chunk_tree_is_corruption_and_restore_falls_back(ckdir, damage):
+    with cc.CheckpointManager(ckdir) as m:
+        for s in (1, 2):
+            m.save(s, {"w": np.full((400, 1000), s, np.float32)})   # one array leaf, one chunk file
+    chunk_dir = os.path.join(ckdir, fmt.step_name(2), "arrays", "0", "c", "0")
+    data = open(os.path.join(chunk_dir, "0"), "rb").read()
+    if damage == "dir_is_file":   # a file with the chunk's bytes where its directory was
+        shutil.rmtree(chunk_dir)
+        open(chunk_dir, "wb").write(data)
+    else:                         # a directory where the chunk file was
+        os.remove(os.path.join(chunk_dir, "0"))
+        os.mkdir(os.path.join(chunk_dir, "0"))
+    with cc.CheckpointManager(ckdir, read_only=True) as m:
+        with pytest.raises(cc.CorruptCheckpointError, match=r"\['w'\]"):
+            m.restore(2)
+        out = m.restore(fallback=True)
+        assert m.restored_step == 1 and out["w"][0, 0] == 1
+
+
+def test_array_without_its_crc32c_codec_is_never_read_unchecked(ckdir):
+    import json
+    with cc.CheckpointManager(ckdir) as m:
+        m.save(1, {"w": np.ones((400, 1000), np.float32)})
+    zarr_json = os.path.join(ckdir, fmt.step_name(1), "arrays", "0", "zarr.json")
+    meta = json.load(open(zarr_json))
+    meta["codecs"] = [c for c in meta["codecs"] if c["name"] != "crc32c"]
+    json.dump(meta, open(zarr_json, "w"))
+    with pytest.raises(cc.CorruptCheckpointError, match=r"\['w'\].*no crc32c codec"):
+        cc.CheckpointManager(ckdir, read_only=True).restore()
