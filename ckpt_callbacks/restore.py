@@ -146,7 +146,7 @@ class leaf_reader:
             arr = ts.open(spec, context=ctx).result()
         except Exception as e:
             raise CorruptCheckpointError(f"{where}: cannot open array {rec['z']}: {self.store.redact(str(e))[:300]}", where) from None
-        chunks = list(arr.chunk_layout.read_chunk.shape)
+        chunks = list(arr.chunk_layout.read_chunk.shape or [])   # None for a 0-d array
         if (list(arr.shape) != rec["sh"] or arr.dtype.numpy_dtype != np.dtype(fmt.storage_dtype(rec["dt"]))
                 or chunks != rec["ch"]):
             raise CorruptCheckpointError(f"{where}: array metadata {list(arr.shape)} {arr.dtype} chunks {chunks} "
@@ -161,10 +161,11 @@ class leaf_reader:
         """Refuse arrays whose stored chunks cannot hold the declared shape, before allocating."""
         if self.store.local:
             kv = ts.KvStore.open(self.store.kvstore(f"{self.base}/{rec['z']}")).result()
-            keys = [k for k in kv.list().result() if k.startswith(b"c/")]
+            keys = kv.list().result()
         else:  # list from the store's root: listing a sub-path gcs kvstore aborts tensorstore (std::out_of_range)
             base = f"{self.base}/{rec['z']}/"
-            keys = [k[len(base):].encode() for k in self.store._list(base + "c/")]
+            keys = [k[len(base):].encode() for k in self.store._list(base + "c")]
+        keys = [k for k in keys if k == b"c" or k.startswith(b"c/")]   # a 0-d array's one chunk is "c"
         need = math.prod(-(-n // c) for n, c in zip(rec["sh"], rec["ch"])) if rec["sh"] else 1
         chunk_bytes = math.prod(rec["ch"]) * np.dtype(fmt.storage_dtype(rec["dt"])).itemsize
         stored = None

@@ -251,3 +251,19 @@ def test_replicated_small_leaves_are_adopted_from_the_blob_and_donating_them_is_
         np.testing.assert_array_equal(np.asarray(v), host[k] * 2)
     assert_tree_equal(jax.tree.map(np.asarray, got), {k: host[k] for k in got})
     assert_tree_equal(jax.tree.map(np.asarray, again), host)
+
+
+def test_every_leaf_stored_as_a_zarr_array_roundtrips_including_0d(ckdir, monkeypatch):
+    from ckpt_callbacks import snapshot
+    monkeypatch.setitem(snapshot.plan.__kwdefaults__, "pack_max_bytes", -1)   # nothing packed
+    sh = NamedSharding(mesh((4, 2)), P("a", "b"))
+    tree = {"scalar": np.float32(3.5), "zero_d": jnp.asarray(7, jnp.int32), "empty": np.zeros((0, 3), np.float32),
+            "x": jax.device_put(random_array((16, 8), "float32", 1), sh), "v": np.arange(5, dtype=np.int64)}
+    save(ckdir, tree)
+    store = open_store(ckdir)
+    assert {r["k"] for r in restore_mod.read_manifest(store, 1)["leaves"]} == {"array"}
+    assert_tree_equal(cc.CheckpointManager(ckdir, read_only=True).restore(), jax.tree.map(np.asarray, tree))
+    target = jax.tree.map(lambda v: jax.ShapeDtypeStruct(np.shape(v), np.asarray(v).dtype, sharding=getattr(v, "sharding", None))
+                          if isinstance(v, jax.Array) else v, tree)
+    got = cc.CheckpointManager(ckdir, read_only=True).restore(target=target)
+    assert_tree_equal(jax.tree.map(np.asarray, got), jax.tree.map(np.asarray, tree))
