@@ -92,7 +92,7 @@ def read_boxes(root: str, rec: dict, boxes: list, outs: list, where: str) -> Non
         else:        # an edge chunk, one shared by boxes or not contiguous in its box: via scratch
             scratch = scratch if scratch is not None else np.empty(chunk_bytes, np.uint8)
             dest = scratch
-        path = os.path.join(root, "c", *map(str, idx))
+        path = os.path.join(root, fmt.chunk_key(idx))
         _read_chunk(path, dest, chunk_bytes, where)
         if not direct:
             full = dest.view(outs[0].dtype).reshape(chunks)

@@ -25,7 +25,7 @@ import numpy as np
 from .errors import CorruptCheckpointError, IncompatibleCheckpointError
 
 __all__ = ["FORMAT_VERSION", "MANIFEST", "step_name", "parse_step_name", "pack_manifest",
-           "unpack_manifest", "pack_bins", "bin_entries", "crc32c", "storage_dtype", "logical_dtype", "dtype_name"]
+           "unpack_manifest", "pack_bins", "bin_entries", "chunk_key", "crc32c", "storage_dtype", "logical_dtype", "dtype_name"]
 
 FORMAT_VERSION = 1
 MAGIC = "ckpt_callbacks"
@@ -85,6 +85,12 @@ def storage_dtype(name: str) -> str:
     if name in _NATIVE:
         return name
     return "uint%d" % (8 * logical_dtype(name).itemsize)
+
+
+def chunk_key(idx) -> str:
+    """The key of chunk `idx` (grid indices) inside a zarr3 array directory: zarr's default chunk
+    key encoding, "c/i/j" ("c" for a 0-d array)."""
+    return "/".join(["c", *map(str, idx)])
 
 
 BLOB_ALIGN = 64   # where each packed leaf's bytes start in its blob file (CPU devices adopt them)

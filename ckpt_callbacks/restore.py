@@ -10,10 +10,11 @@ Example::
 
 Who calls what: `CheckpointManager.restore` on every process. The manifest is read and validated
 first; then leaves are read on a few threads. Per array leaf, each process reads only what its
-target shards need: each distinct shard is read straight into its own 64-byte-aligned buffer
-(CPU devices adopt it without a copy) — from a local directory by `chunkread` when the shard is
-made of whole chunks, else through tensorstore; when shards cut through chunks, a small per-leaf
-chunk cache makes each chunk read and decoded once. Packed leaves come from their blob. Host buffers
+target shards need: each distinct shard is read into its own 64-byte-aligned buffer (CPU
+devices adopt it without a copy). From a local directory `chunkread` reads the chunk files
+itself, each once (straight into the buffer when a chunk lies whole inside one shard, else split
+between the shards that share it); otherwise tensorstore reads them, through a small per-leaf
+chunk cache when shards cut through chunks. Packed leaves come from their blob. Host buffers
 go to their devices in one batched `jax.device_put`. crc32c checksums are verified on
 every chunk and packed leaf read.
 """

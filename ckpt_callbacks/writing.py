@@ -307,7 +307,7 @@ def _consume(store, staging, snap, items, arrays, budget):
             if budget:
                 fut.add_done_callback(released(w.nbytes))
             if early:
-                fut.add_done_callback(early.after([f"{staging}/{rec['z']}/c" + "".join(f"/{i}" for i in idx)
+                fut.add_done_callback(early.after([f"{staging}/{rec['z']}/{fmt.chunk_key(idx)}"
                                                    for idx in layout.chunks_of(w.box, rec["ch"])]))
             futures.append(fut)
             written += w.nbytes
