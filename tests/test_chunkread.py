@@ -131,3 +131,57 @@ def test_boxes_that_cut_chunks_read_each_chunk_once(tmp_path, rows, cols):
     assert 12 * (16 * 16 * 4 + 4) <= got < 12 * (16 * 16 * 4 + 4) + 512, got   # 4 x 3 chunks, each once
     for ((r0, r1), (c0, c1)), out in zip(boxes, outs):
         np.testing.assert_array_equal(out, x[r0:r1, c0:c1])
+
+
+@pytest.mark.parametrize("shape,chunks,dtype", [((64, 48), (16, 16), "float32"), ((50, 30), (16, 16), "float64"),
+                                                ((7, 5, 3), (2, 5, 3), "uint8"), ((33,), (8,), "bool"),
+                                                ((6, 1000), (3, 1000), "int32")])
+def test_chunks_split_between_boxes_match_tensorstore(tmp_path, shape, chunks, dtype):
+    root, rec, x, arr = write(tmp_path, shape, chunks, dtype)
+    # boxes that cut every chunk in every dimension: halves of each chunk, plus a box spanning chunks
+    cuts = [sorted({0, n} | {min(n, i + max(1, c // 2)) for i in range(0, n, c)} | set(range(0, n, c)))
+            for n, c in zip(shape, chunks)]
+    boxes = list(itertools.product(*[list(zip(cs, cs[1:])) for cs in cuts]))
+    boxes.append(tuple((n // 3, n) for n in shape))   # overlaps the others
+    outs = [_aligned_empty(tuple(b - a for a, b in box), np.dtype(dtype)) for box in boxes]
+    chunkread.read_boxes(root, rec, boxes, outs, "['x']")
+    for box, out in zip(boxes, outs):
+        assert out.tobytes() == x[tuple(slice(a, b) for a, b in box)].tobytes(), box
+
+
+def test_a_box_listed_twice_gets_the_whole_chunk_both_times(tmp_path):
+    root, rec, x, _ = write(tmp_path, (32, 16), (16, 16), "int16")
+    boxes = [((0, 16), (0, 16)), ((0, 16), (0, 16))]
+    outs = [_aligned_empty((16, 16), np.int16) for _ in boxes]
+    chunkread.read_boxes(root, rec, boxes, outs, "['x']")
+    for out in outs:
+        np.testing.assert_array_equal(out, x[:16])
+
+
+@pytest.mark.parametrize("byte", [0, 700, 1023])   # first, middle and last byte of the chunk's data
+def test_damage_in_a_chunk_shared_by_boxes_is_refused(tmp_path, byte):
+    root, rec, x, _ = write(tmp_path, (64, 48), (16, 16), "float32")
+    path = _chunk(root, 1, 2)
+    data = bytearray(open(path, "rb").read())
+    data[byte] ^= 0x40
+    open(path, "wb").write(bytes(data))
+    boxes = [((16, 24), (32, 48)), ((24, 32), (32, 40)), ((24, 32), (40, 48))]   # three boxes share it
+    outs = [_aligned_empty((8, 16), np.float32), _aligned_empty((8, 8), np.float32),
+            _aligned_empty((8, 8), np.float32)]
+    with pytest.raises(CorruptCheckpointError, match="checksum mismatch") as e:
+        chunkread.read_boxes(root, rec, boxes, outs, "['params']['w']")
+    assert e.value.key_path == "['params']['w']"
+
+
+@pytest.mark.parametrize("damage", ["truncate", "grow", "delete"])
+def test_shared_chunk_with_a_wrong_size_or_missing_is_refused(tmp_path, damage):
+    root, rec, x, _ = write(tmp_path, (64, 48), (16, 16), "float32")
+    path = _chunk(root, 0, 0)
+    if damage == "delete":
+        os.remove(path)
+    else:
+        data = open(path, "rb").read()
+        open(path, "wb").write(data[:-8] if damage == "truncate" else data + b"\0")
+    out = _aligned_empty((8, 8), np.float32)
+    with pytest.raises(CorruptCheckpointError, match=r"\['w'\]"):
+        chunkread.read_boxes(root, rec, [((4, 12), (4, 12))], [out], "['w']")
