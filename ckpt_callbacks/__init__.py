@@ -13,7 +13,8 @@ Integrations live in submodules: `ckpt_callbacks.keras.AsyncCheckpoint` (needs k
 """
 
 from .errors import (CheckpointError, CheckpointLockedError, CheckpointNotFoundError, CheckpointSaveError,
-                     ConfigError, CorruptCheckpointError, IncompatibleCheckpointError, InvalidTreeError)
+                     ConfigError, CorruptCheckpointError, IncompatibleCheckpointError, InvalidTreeError,
+                     StorageUnavailableError)
 from .manager import CheckpointManager
 from .retention import (KeepBest, KeepEvery, KeepEveryNSeconds, KeepLast, KeepSteps, Policy, StepInfo,
                         retention_from_config)
@@ -24,7 +25,7 @@ __all__ = [
     "KeepLast", "KeepEvery", "KeepBest", "KeepSteps", "KeepEveryNSeconds", "Policy", "StepInfo",
     "retention_from_config", "SaveStats",
     "CheckpointError", "CheckpointNotFoundError", "IncompatibleCheckpointError", "CorruptCheckpointError",
-    "CheckpointSaveError", "CheckpointLockedError", "ConfigError", "InvalidTreeError",
+    "CheckpointSaveError", "CheckpointLockedError", "ConfigError", "InvalidTreeError", "StorageUnavailableError",
 ]
 
 __version__ = "0.1.0"

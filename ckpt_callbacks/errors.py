@@ -14,6 +14,8 @@ to fix it.
 
 from __future__ import annotations
 
+import errno
+
 __all__ = [
     "CheckpointError",
     "CheckpointNotFoundError",
@@ -23,6 +25,9 @@ __all__ = [
     "CheckpointLockedError",
     "ConfigError",
     "InvalidTreeError",
+    "StorageUnavailableError",
+    "storage_unavailable",
+    "unavailable",
 ]
 
 
@@ -77,3 +82,39 @@ class ConfigError(CheckpointError, ValueError):
 
 class InvalidTreeError(CheckpointError, TypeError):
     """A leaf or key of the tree passed to save cannot be saved; the message names its key path."""
+
+
+class StorageUnavailableError(CheckpointError, OSError):
+    """The storage could not be reached or refused access (after the configured retries).
+
+    Says nothing about the checkpoint: no step is considered damaged because of it, so
+    ``restore(fallback=True)`` does not skip to an older step. Retry once the endpoint, the
+    credentials or the network are back.
+    """
+
+
+# errno values that describe the storage or this machine, not the stored bytes
+_UNAVAILABLE_ERRNO = {errno.EACCES, errno.EPERM, errno.ETIMEDOUT, errno.ENOTCONN, errno.ECONNREFUSED,
+                      errno.ECONNRESET, errno.EHOSTDOWN, errno.EHOSTUNREACH, errno.ENETDOWN, errno.ENETUNREACH,
+                      errno.ESTALE, errno.EAGAIN, errno.EINTR, errno.ENOMEM, errno.EMFILE, errno.ENFILE}
+# tensorstore status codes of the same kind (its messages start with the code)
+_UNAVAILABLE_STATUS = ("ABORTED", "UNAVAILABLE", "DEADLINE_EXCEEDED", "PERMISSION_DENIED", "UNAUTHENTICATED",
+                       "RESOURCE_EXHAUSTED", "CANCELLED")
+
+
+def storage_unavailable(e: BaseException) -> bool:
+    """Whether the failed read `e` (an OSError, or a tensorstore error) says the storage could not be
+    reached or refused access, rather than that the stored bytes are wrong or missing. Restore uses
+    it to raise `StorageUnavailableError` instead of `CorruptCheckpointError`."""
+    if isinstance(e, StorageUnavailableError):
+        return True
+    if isinstance(e, OSError):
+        return e.errno in _UNAVAILABLE_ERRNO or isinstance(e, (TimeoutError, ConnectionError, PermissionError))
+    return str(e).split(":", 1)[0].strip() in _UNAVAILABLE_STATUS
+
+
+def unavailable(where: str, what: str, detail: str) -> StorageUnavailableError:
+    """The error for reading `what` (of the leaf at key path `where`) when `storage_unavailable`."""
+    return StorageUnavailableError(f"{where}: reading {what} failed: the storage could not be reached or refused "
+                                   f"access ({detail}). The step is not known to be damaged: check the endpoint, "
+                                   f"credentials, permissions and network, then retry.")

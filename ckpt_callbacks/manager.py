@@ -295,6 +295,8 @@ class CheckpointManager:
         A damaged step raises `CorruptCheckpointError` (it stays listed). With ``fallback=True``
         and ``step=None``, a damaged step is skipped with a warning and the next older committed
         step is tried (every process moves together); `restored_step` says which step was read.
+        Storage that cannot be reached or refuses access raises `StorageUnavailableError` and is
+        never a reason to fall back: it says nothing about the step.
         """
         if step is None and self.coord.process_count > 1 and not self.read_only:
             self._nrestores += 1
@@ -308,18 +310,31 @@ class CheckpointManager:
             step = self._resolve(step)
             fallback = False
         candidates = [s for s in self.all_steps() if s <= step][::-1] if fallback else [step]
+        together = fallback and self.coord.process_count > 1   # every process moves to the same step
         for i, s in enumerate(candidates):
-            error = None
+            error = failure = None
             try:
-                tree = restore_mod.restore(self.store, s, target)
+                try:
+                    tree = restore_mod.restore(self.store, s, target)
+                except CheckpointNotFoundError as e:   # committed, so a missing manifest is damage
+                    raise CorruptCheckpointError(f"step {s} is committed but unreadable: {e}") from None
             except CorruptCheckpointError as e:
                 if not fallback:
                     raise
                 error = e
-            if fallback and self.coord.process_count > 1:
+            except Exception as e:   # not damage (e.g. storage unavailable): no fallback, on any process
+                if not together:
+                    raise
+                failure = e
+            if together:
                 self._nrestores += 1
-                oks = self.coord.all_gather(f"restore/{self._nrestores}/ok", b"1" if error is None else b"0",
-                                            self.timeout_s)
+                mine = b"!" if failure is not None else b"1" if error is None else b"0"
+                oks = self.coord.all_gather(f"restore/{self._nrestores}/ok", mine, self.timeout_s)
+                if failure is not None:
+                    raise failure
+                if b"!" in oks:
+                    raise CheckpointError(f"restoring step {s} failed on process(es) "
+                                          f"{[p for p, ok in enumerate(oks) if ok == b'!']} (see their error)")
                 if error is None and b"0" in oks:
                     error = CorruptCheckpointError(f"step {s} is damaged on another process")
             if error is None:

@@ -31,7 +31,7 @@ import tensorstore as ts
 
 from . import format as fmt
 from . import lock
-from .errors import CheckpointError, CheckpointNotFoundError
+from .errors import CheckpointError, CheckpointNotFoundError, StorageUnavailableError
 from .storage import Store
 
 __all__ = ["ObjectStore", "redact", "MARKERS", "PENDING"]
@@ -154,8 +154,8 @@ class ObjectStore(Store):
             else:
                 hint = ("check that the endpoint is reachable (AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL for s3, "
                         "TENSORSTORE_GCS_HTTP_URL for gs) and the network is up")
-            raise CheckpointError(f"{self.url}: {what} failed after up to {self.retries} retries with backoff "
-                                  f"({msg[:400]}); {hint}") from None
+            raise StorageUnavailableError(f"{self.url}: {what} failed after up to {self.retries} retries with "
+                                          f"backoff ({msg[:400]}); {hint}") from None
 
     def write(self, rel: str, data, sync: bool = True) -> None:
         if isinstance(data, list):

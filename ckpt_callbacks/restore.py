@@ -34,7 +34,8 @@ import tensorstore as ts
 
 from . import format as fmt
 from . import chunkread, layout, treepath
-from .errors import CheckpointNotFoundError, CorruptCheckpointError, IncompatibleCheckpointError
+from .errors import (CheckpointNotFoundError, CorruptCheckpointError, IncompatibleCheckpointError,
+                     storage_unavailable, unavailable)
 from .storage import Store
 
 __all__ = ["restore", "read_manifest", "read_host_state", "leaf_reader"]
@@ -87,6 +88,8 @@ class leaf_reader:
             except (FileNotFoundError, CheckpointNotFoundError):
                 raise CorruptCheckpointError(f"{where}: blob {rel} is missing", where) from None
             except (OSError, ValueError) as e:
+                if storage_unavailable(e):
+                    raise unavailable(where, f"blob {rel}", str(e)) from None
                 raise CorruptCheckpointError(f"{where}: blob {rel} cannot be read: {e}", where) from None
             try:
                 entries = fmt.bin_entries(buf)
@@ -146,7 +149,10 @@ class leaf_reader:
         try:
             arr = ts.open(spec, context=ctx).result()
         except Exception as e:
-            raise CorruptCheckpointError(f"{where}: cannot open array {rec['z']}: {self.store.redact(str(e))[:300]}", where) from None
+            detail = self.store.redact(str(e))[:300]
+            if storage_unavailable(e):
+                raise unavailable(where, f"array {rec['z']}", detail) from None
+            raise CorruptCheckpointError(f"{where}: cannot open array {rec['z']}: {detail}", where) from None
         chunks = list(arr.chunk_layout.read_chunk.shape or [])   # None for a 0-d array
         if (list(arr.shape) != rec["sh"] or arr.dtype.numpy_dtype != np.dtype(fmt.storage_dtype(rec["dt"]))
                 or chunks != rec["ch"]):
@@ -160,19 +166,23 @@ class leaf_reader:
 
     def _check_backing(self, rec: dict, where: str) -> None:
         """Refuse arrays whose stored chunks cannot hold the declared shape, before allocating."""
+        stored = None
         if self.store.local:
-            kv = ts.KvStore.open(self.store.kvstore(f"{self.base}/{rec['z']}")).result()
-            keys = kv.list().result()
+            root = self.store.path(f"{self.base}/{rec['z']}")
+            try:
+                keys = ts.KvStore.open(self.store.kvstore(f"{self.base}/{rec['z']}")).result().list().result()
+                keys = [k for k in keys if k == b"c" or k.startswith(b"c/")]   # a 0-d array's one chunk is "c"
+                stored = sum(os.path.getsize(os.path.join(root, k.decode())) for k in keys)
+            except (OSError, ValueError) as e:
+                if storage_unavailable(e):
+                    raise unavailable(where, f"the chunk list of {rec['z']}", str(e)) from None
+                raise CorruptCheckpointError(f"{where}: the chunks of {rec['z']} cannot be listed: {e}", where) from None
         else:  # list from the store's root: listing a sub-path gcs kvstore aborts tensorstore (std::out_of_range)
             base = f"{self.base}/{rec['z']}/"
             keys = [k[len(base):].encode() for k in self.store._list(base + "c")]
-        keys = [k for k in keys if k == b"c" or k.startswith(b"c/")]   # a 0-d array's one chunk is "c"
+            keys = [k for k in keys if k == b"c" or k.startswith(b"c/")]
         need = math.prod(-(-n // c) for n, c in zip(rec["sh"], rec["ch"])) if rec["sh"] else 1
         chunk_bytes = math.prod(rec["ch"]) * np.dtype(fmt.storage_dtype(rec["dt"])).itemsize
-        stored = None
-        if self.store.local:
-            root = os.path.join(self.store.path(f"{self.base}/{rec['z']}"))
-            stored = sum(os.path.getsize(os.path.join(root, k.decode())) for k in keys)
         if len(keys) != need or (stored is not None and stored < need * chunk_bytes):
             raise CorruptCheckpointError(
                 f"{where}: {rec['z']} declares {rec['sh']} ({need} chunks, {need * chunk_bytes} bytes) but holds "
@@ -202,8 +212,11 @@ class leaf_reader:
                 try:   # decoded straight into our buffer
                     ts.array(out).write(arr[tuple(slice(lo, hi) for lo, hi in b)]).result()
                 except Exception as e:
+                    detail = self.store.redact(str(e))[:300]
+                    if storage_unavailable(e):
+                        raise unavailable(where, rec["z"], detail) from None
                     raise CorruptCheckpointError(f"{where}: reading {rec['z']} failed (damaged or missing chunk): "
-                                                 f"{self.store.redact(str(e))[:300]}", where) from None
+                                                 f"{detail}", where) from None
         return [out.view(fmt.logical_dtype(rec["dt"])) for out in outs]
 
 

@@ -22,7 +22,7 @@ import time
 import numpy as np
 
 from . import format as fmt, treepath
-from .errors import CheckpointError, CorruptCheckpointError
+from .errors import CheckpointError, CorruptCheckpointError, StorageUnavailableError, storage_unavailable, unavailable
 from .restore import leaf_reader, read_host_state, read_manifest
 
 __all__ = ["verify_step", "Progress"]
@@ -72,10 +72,13 @@ def _chunks(shape, chunks):
 def verify_step(store, step: int, progress=None, window: int = 16) -> list[tuple[str, str]]:
     """Read every leaf and host-state blob of `step`, checking every checksum.
 
-    Returns ``[(key path or file, problem)]``; empty when the step is intact.
+    Returns ``[(key path or file, problem)]``; empty when the step is intact. Raises
+    `StorageUnavailableError` when the storage cannot be read at all (nothing is known then).
     """
     try:
         m = read_manifest(store, step)
+    except StorageUnavailableError:   # says nothing about the step: verifying cannot go on
+        raise
     except CheckpointError as e:
         return [(fmt.MANIFEST, str(e))]
     reader = leaf_reader(store, step, m)
@@ -96,25 +99,31 @@ def verify_step(store, step: int, progress=None, window: int = 16) -> list[tuple
             for idx, sl in _chunks(rec["sh"], rec["ch"]):
                 pending.append((idx, sl, arr[sl].read()))
                 if len(pending) >= window:
-                    _drain(pending.pop(0), rec, where, itemsize, progress)
+                    _drain(pending.pop(0), rec, where, itemsize, progress, store.redact)
             while pending:
-                _drain(pending.pop(0), rec, where, itemsize, progress)
+                _drain(pending.pop(0), rec, where, itemsize, progress, store.redact)
+        except StorageUnavailableError:
+            raise
         except CheckpointError as e:
             damaged.append((where, str(e)))
     for p in sorted((m.get("host") or {})):
         try:
             read_host_state(store, step, m, p)
+        except StorageUnavailableError:
+            raise
         except CheckpointError as e:
             damaged.append((f"host state of process {p}", str(e)))
     return damaged
 
 
-def _drain(item, rec, where, itemsize, progress):
+def _drain(item, rec, where, itemsize, progress, redact):
     idx, sl, fut = item
     if progress:
         progress.add(math.prod(s.stop - s.start for s in sl) * itemsize, where)
     try:
         fut.result()
     except Exception as e:
+        if storage_unavailable(e):
+            raise unavailable(where, f"chunk {list(idx)} of {rec['z']}", redact(str(e))[:300]) from None
         raise CorruptCheckpointError(f"{where}: chunk {list(idx)} of {rec['z']} is damaged or missing: "
-                                     f"{str(e)[:200]}", where) from None
+                                     f"{redact(str(e))[:200]}", where) from None

@@ -194,6 +194,47 @@ def save_and_check(root: str, one_process_dir: str | None = None, mesh_shape=(2,
         out["retained_steps"] = mngr.all_steps()
         out["retained_deleted"] = [list(s.deleted) for s in mngr.history]
         out["retained_x"] = mngr.restore(target={"x": np.zeros(4, np.int32), "w": abstract(m)["w"]})["x"].tolist()
+    out.update(fallback_together(os.path.join(root, "fallback"), m))
+    return out
+
+
+def fallback_together(root: str, m: Mesh) -> dict:
+    """``restore(fallback=True)`` when only one process meets the problem: a chunk of step 2 that
+    only process 1 reads is damaged (every process falls back to step 1), then process 1 cannot
+    reach its storage (no process falls back: process 1 raises StorageUnavailableError, the
+    others say which process failed)."""
+    from jax.experimental import multihost_utils
+    from ckpt_callbacks import restore as restore_mod
+    pi = jax.process_index()
+    target = {"rows": row_sharded(m, abstract_only=True)}
+    out = {}
+    with cc.CheckpointManager(root, timeout_s=60) as mngr:
+        for step in (1, 2):
+            mngr.save(step, {"rows": row_sharded(m)})
+        mngr.wait_until_finished()
+        if pi == 0:   # rows 512.. live in chunk c/1/0, which only process 1's shards need
+            path = os.path.join(root, "step_0000000002", "arrays", "0", "c", "1", "0")
+            data = bytearray(open(path, "rb").read())
+            data[1000] ^= 0x20
+            open(path, "wb").write(bytes(data))
+        multihost_utils.sync_global_devices("damaged")
+        restored = mngr.restore(target=target, fallback=True)
+        out["fallback_step"] = mngr.restored_step
+        out["fallback_ok"] = bool(np.array_equal(
+            np.concatenate([np.asarray(s.data) for s in restored["rows"].addressable_shards if s.replica_id == 0]),
+            np.arange(1024 * 512, dtype=np.float32).reshape(1024, 512)[512 * pi:512 * (pi + 1)]))
+        real = restore_mod.leaf_reader._check_backing
+        if pi == 1:
+            def unreachable(self, rec, where):
+                raise cc.StorageUnavailableError(f"{where}: simulated outage on process 1")
+            restore_mod.leaf_reader._check_backing = unreachable
+        try:
+            mngr.restore(target=target, fallback=True)
+            out["unavailable"] = None
+        except cc.CheckpointError as e:
+            out["unavailable"] = [type(e).__name__, str(e)]
+        finally:
+            restore_mod.leaf_reader._check_backing = real
     return out
 
 

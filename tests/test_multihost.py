@@ -78,6 +78,16 @@ def test_two_processes_save_then_restore_bit_exact_on_same_and_other_mesh(two):
         assert r["restore_same"] == [] and r["restore_other"] == [] and r["host_numpy"] == []
 
 
+def test_fallback_moves_every_process_together_and_never_on_unavailable_storage(two):
+    _, res = two
+    # step 2 is damaged only where process 1 reads: both processes restore step 1
+    assert [(r["fallback_step"], r["fallback_ok"]) for r in res] == [(1, True), (1, True)]
+    # process 1 cannot reach its storage: nobody falls back, and process 0 says who failed
+    (n0, m0), (n1, m1) = res[0]["unavailable"], res[1]["unavailable"]
+    assert n1 == "StorageUnavailableError" and "simulated outage" in m1
+    assert n0 == "CheckpointError" and "failed on process(es) [1]" in m0
+
+
 def test_one_process_checkpoint_restores_onto_two_processes(two):
     _, res = two
     assert [r["from_one_process"] for r in res] == [[], []]

@@ -1,6 +1,7 @@
 """Reliability and security: disk full, read-only directories, hostile checkpoints, corrupt newest
 step on resume. (Crash trials live in test_crash.py; damaged chunks in test_restore.py.)"""
 
+import errno
 import logging
 import os
 import pickle  # test-only: we craft pickle payloads to prove they are never executed
@@ -201,6 +202,45 @@ def test_broken_chunk_tree_is_corruption_and_restore_falls_back(ckdir, damage):
             m.restore(2)
         out = m.restore(fallback=True)
         assert m.restored_step == 1 and out["w"][0, 0] == 1
+
+
+def test_committed_step_without_its_manifest_is_damage_and_falls_back(ckdir):
+    with cc.CheckpointManager(ckdir) as m:
+        for s in (1, 2):
+            m.save(s, {"x": np.full(4, s)})
+    os.remove(os.path.join(ckdir, fmt.step_name(2), fmt.MANIFEST))
+    with cc.CheckpointManager(ckdir, read_only=True) as m:
+        assert m.all_steps() == [1, 2]
+        with pytest.raises(cc.CorruptCheckpointError, match="step 2 is committed but unreadable"):
+            m.restore()
+        assert m.restore(fallback=True)["x"][0] == 1 and m.restored_step == 1
+
+
+@pytest.mark.parametrize("err,falls_back", [(errno.EACCES, False), (errno.ESTALE, False), (errno.ETIMEDOUT, False),
+                                            (errno.EIO, True)])
+def test_unreadable_chunk_falls_back_only_when_the_data_is_bad(ckdir, monkeypatch, err, falls_back):
+    """A permission, stale-handle or timeout error says nothing about the step: restore raises
+    StorageUnavailableError and never quietly restores an older step. An I/O error (bad sectors) does."""
+    with cc.CheckpointManager(ckdir) as m:
+        for s in (1, 2):
+            m.save(s, {"w": np.full((400, 1000), s, np.float32)})   # one array leaf, one chunk file
+    real_open = os.open
+
+    def failing_open(path, *a, **k):
+        if f"{fmt.step_name(2)}{os.sep}arrays" in str(path) and f"{os.sep}c{os.sep}" in str(path):
+            raise OSError(err, os.strerror(err), str(path))
+        return real_open(path, *a, **k)
+
+    monkeypatch.setattr(os, "open", failing_open)
+    with cc.CheckpointManager(ckdir, read_only=True) as m:
+        if falls_back:
+            with pytest.raises(cc.CorruptCheckpointError, match=r"\['w'\]"):
+                m.restore()
+            assert m.restore(fallback=True)["w"][0, 0] == 1 and m.restored_step == 1
+        else:
+            with pytest.raises(cc.StorageUnavailableError, match=r"\['w'\].*not known to be damaged"):
+                m.restore(fallback=True)
+            assert m.restored_step is None
 
 
 def test_array_without_its_crc32c_codec_is_never_read_unchecked(ckdir):

@@ -290,6 +290,54 @@ def test_no_endpoint_or_credential_in_objects_logs_or_errors(objstore, caplog, c
         assert s not in err, s
 
 
+def test_outage_mid_restore_is_unavailable_storage_never_a_fallback(objstore, monkeypatch, capsys):
+    from ckpt_callbacks import cli
+    from ckpt_callbacks import restore as restore_mod
+    with cc.CheckpointManager(objstore.url) as m:
+        m.save(1, tree_at(1))
+        m.save(2, tree_at(2))
+    monkeypatch.setenv("CKPT_CALLBACKS_IO_RETRIES", "1")
+    real = restore_mod.leaf_reader._check_backing
+
+    def go_down_after_listing(self, rec, where):   # the chunks are listed, then their reads fail
+        real(self, rec, where)
+        objstore.server.go_down()
+
+    monkeypatch.setattr(restore_mod.leaf_reader, "_check_backing", go_down_after_listing)
+    m = cc.CheckpointManager(objstore.url, read_only=True)
+    try:
+        with pytest.raises(cc.StorageUnavailableError) as info:
+            m.restore(target=tree_at(0), fallback=True)   # step 2 is fine: no fallback to step 1
+        assert m.restored_step is None
+        assert not isinstance(info.value, cc.CorruptCheckpointError) and isinstance(info.value, OSError)
+        msg = str(info.value)
+        assert "['params']['w']" in msg and "not known to be damaged" in msg
+        assert objstore.server.endpoint not in msg and str(objstore.server.port) not in msg
+        monkeypatch.setattr(restore_mod.leaf_reader, "_check_backing", real)
+        # verify cannot tell damage from an outage it cannot read through: it fails, it says nothing is damaged
+        assert cli.main(["verify", objstore.url]) == 1
+        out, err = capsys.readouterr()
+        assert "StorageUnavailableError" in err and "DAMAGED" not in out
+        objstore.server.come_back()
+        from ckpt_callbacks import verify
+        real_manifest = verify.read_manifest
+
+        def go_down_after_manifest(store, step):   # the steps are listed, their chunks cannot be read
+            m = real_manifest(store, step)
+            objstore.server.go_down()
+            return m
+
+        monkeypatch.setattr(verify, "read_manifest", go_down_after_manifest)
+        assert cli.main(["verify", objstore.url]) == 1
+        out, err = capsys.readouterr()
+        assert "StorageUnavailableError" in err and "not known to be damaged" in err and "DAMAGED" not in out
+    finally:
+        objstore.server.come_back()
+    assert_tree_equal(m.restore(target=tree_at(0), fallback=True), tree_at(2))
+    assert m.restored_step == 2
+    m.close()
+
+
 def test_two_process_save_to_s3_writes_one_marker(s3_server):
     from multiproc import launch
 
