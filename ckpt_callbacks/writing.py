@@ -12,7 +12,8 @@ Example (what `CheckpointManager` does; most users never call this directly)::
 
 Who calls what, in order, on which process (every process runs this function for the same step):
   1. ``store.begin`` -> staging location; process 0 creates every zarr array's metadata; barrier.
-  2. consume the queue: zarr writes (tensorstore futures) and msgpack blobs of packed leaves,
+  2. consume the queue: zarr chunk writes (local stores: `chunkwrite` on a small pool, straight
+     from the snapshot's buffers; else tensorstore futures) and msgpack blobs of packed leaves,
      releasing the byte budget as each lands; then the per-process host-state blob.
   3. ``store.sync`` this process's files (local chunk files are fsynced as each box lands, the
      rest at the end); gather every process's status and packed-leaf checksums.
@@ -33,7 +34,7 @@ import numpy as np
 import tensorstore as ts
 
 from . import format as fmt
-from . import layout
+from . import chunkwrite, layout
 from .coordination import CoordinationTimeoutError, Coordinator, SingleProcess
 from .errors import CheckpointSaveError
 from .snapshot import BLOB_MAX_BYTES, ByteBudget, Snapshot
@@ -261,6 +262,13 @@ def _consume(store, staging, snap, items, arrays, budget):
     mine: set = set()
     nblob = 0
     early = _EarlySync(store) if store.local else None
+    # local stores: chunk files written straight from the snapshot's buffers (chunkwrite)
+    direct = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="ckpt-chunk") \
+        if store.local else None
+
+    def write_direct(rels, views):
+        for rel, view in zip(rels, views):
+            chunkwrite.write_chunk(store.path(rel), view, sync=False)   # `early` fsyncs them
 
     def flush():
         nonlocal blob, blob_leaves, blob_bytes, nblob, written, files
@@ -302,13 +310,18 @@ def _consume(store, staging, snap, items, arrays, budget):
             w = item[1]
             rec = snap.records[w.leaf]
             data = _to_storage(np.asarray(w.data), rec["dt"])
-            # the copy is ours and never changes: tensorstore may keep it instead of copying it again
-            fut = arrays[w.leaf][tuple(slice(a, b) for a, b in w.box)].write(data, can_reference_source_data_indefinitely=True)
+            todo = chunkwrite.pieces(rec, w.box, data) if direct else None
+            rels = [f"{staging}/{rec['z']}/{fmt.chunk_key(idx)}" for idx in layout.chunks_of(w.box, rec["ch"])]
+            if todo is not None:
+                fut = direct.submit(write_direct, rels, [v for _, v in todo])
+            else:
+                # the copy is ours and never changes: tensorstore may keep it instead of copying it again
+                fut = arrays[w.leaf][tuple(slice(a, b) for a, b in w.box)].write(
+                    data, can_reference_source_data_indefinitely=True)
+            if early:
+                fut.add_done_callback(early.after(rels))
             if budget:
                 fut.add_done_callback(released(w.nbytes))
-            if early:
-                fut.add_done_callback(early.after([f"{staging}/{rec['z']}/{fmt.chunk_key(idx)}"
-                                                   for idx in layout.chunks_of(w.box, rec["ch"])]))
             futures.append(fut)
             written += w.nbytes
             mine.add(rec["z"])
@@ -322,12 +335,16 @@ def _consume(store, staging, snap, items, arrays, budget):
                 f.result()
             except Exception:  # noqa: BLE001 - the first failure is what gets reported
                 pass
+        if direct:
+            direct.shutdown(wait=True)
         if early:
             try:
                 early.close()
             except Exception:  # noqa: BLE001 - the first failure is what gets reported
                 pass
         raise
+    if direct:
+        direct.shutdown(wait=True)
     synced = early.close() if early else set()
     return written, files, packed_info, sorted(mine), synced
 

@@ -1,0 +1,82 @@
+"""Writing whole zarr3 chunks of a local checkpoint straight from the snapshot's buffers.
+
+Example (what `writing` does for a box of a local array leaf, after tensorstore created the
+array's zarr.json)::
+
+    import numpy as np
+    from ckpt_callbacks import chunkwrite
+    rec = {"sh": [8, 4], "ch": [4, 4], "dt": "float32"}
+    data = np.arange(16, dtype=np.float32).reshape(4, 4)     # the box ((4, 8), (0, 4))
+    pieces = chunkwrite.pieces(rec, ((4, 8), (0, 4)), data)   # [("c/1/0", view)], or None
+    for key, view in pieces:
+        chunkwrite.write_chunk(f"/tmp/run/step_0000000010.tmp-0/arrays/0/{key}", view)
+
+A chunk file of the format is the chunk's raw little-endian C-order bytes followed by their
+CRC-32C (zarr3 ``bytes`` + ``crc32c`` codecs; see writing.zarr_spec and chunkread). After the
+snapshot, a shard that a CPU device holds is a numpy view of the device's own buffer, and each of
+its chunks a contiguous piece of it: `write_chunk` writes the file with one ``writev`` straight
+from that view. Tensorstore would first copy every chunk into a buffer of its own,
+and on small machines fresh memory is the dearest part of a save. Tensorstore still creates every
+array's zarr.json and writes what this module declines (`pieces` returns None): chunks padded at
+the array's edge, data that is not C-contiguous or not little-endian, bool; and object stores.
+
+Called on the writer's small pool (`writing._consume`), on every process, for the boxes that
+process writes; a failure (disk full, I/O error) propagates and fails the save.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+
+from . import format as fmt
+from . import layout
+
+__all__ = ["pieces", "write_chunk"]
+
+
+def pieces(rec: dict, box, data: np.ndarray) -> list | None:
+    """``[(chunk key, contiguous view of data)]`` for every chunk of `box` (which `data`, in the
+    storage dtype, holds), or None when a chunk cannot be written byte for byte from `data`."""
+    dt = data.dtype
+    if dt == np.bool_ or (dt.byteorder == ">" or (dt.byteorder == "=" and sys.byteorder != "little")):
+        return None   # bools are normalised by tensorstore; big-endian bytes need a swap
+    shape, chunks = rec["sh"], rec["ch"]
+    out = []
+    for idx in layout.chunks_of(box, chunks):
+        cbox = [(i * c, (i + 1) * c) for i, c in zip(idx, chunks)]
+        if any(a < lo or b > min(hi, n) for (a, b), (lo, hi), n in zip(cbox, box, shape)):
+            return None   # the chunk sticks out of the box or is padded at the array's edge
+        view = data[tuple(slice(a - lo, b - lo) for (a, b), (lo, _) in zip(cbox, box))]
+        if not view.flags.c_contiguous:
+            return None
+        out.append((fmt.chunk_key(idx), view))
+    return out
+
+
+def write_chunk(path: str, view: np.ndarray, sync: bool = True) -> None:
+    """Create the chunk file at `path` (and its directory) holding `view`'s bytes and their
+    CRC-32C; fsync it when `sync` (the writer fsyncs on other threads, so that writing goes on
+    meanwhile; directories are fsynced with the whole staging tree at commit)."""
+    raw = memoryview(view.reshape(-1).view(np.uint8))
+    bufs = [raw, fmt.crc32c(raw).to_bytes(4, "little")]
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        left = len(raw) + 4
+        while left:
+            n = os.writev(fd, bufs)   # may write less than asked: go on from where it stopped
+            left -= n
+            while n and bufs:
+                if n >= len(bufs[0]):
+                    n -= len(bufs[0])
+                    bufs.pop(0)
+                else:
+                    bufs[0] = memoryview(bufs[0])[n:]
+                    n = 0
+        if sync:
+            os.fsync(fd)   # an error here aborts the save: never retried
+    finally:
+        os.close(fd)
