@@ -67,12 +67,14 @@ def _steps_list(text: str) -> list[int]:
 # -- reading helpers -------------------------------------------------------------------------
 def _manifests(store, steps):
     """{step: manifest or the CheckpointError that reading it raised}."""
-    from .errors import CheckpointError
+    from .errors import CheckpointError, StorageUnavailableError
     from .restore import read_manifest
     out = {}
     for s in steps:
         try:
             out[s] = read_manifest(store, s)
+        except StorageUnavailableError:
+            raise   # says nothing about the step: never shown as damaged
         except CheckpointError as e:
             out[s] = e
     return out
@@ -215,8 +217,9 @@ def cmd_inspect(args, store, out) -> int:
 
 # -- verify ----------------------------------------------------------------------------------
 def cmd_verify(args, store, out) -> int:
+    from .errors import CheckpointError, StorageUnavailableError
     from .restore import read_manifest
-    from .errors import CheckpointError
+    from .verify import Progress, verify_step
     steps = store.committed_steps() if args.all else [_pick_step(store, args.step)]
     total = 0
     for s in steps:
@@ -224,21 +227,28 @@ def cmd_verify(args, store, out) -> int:
             total += int(read_manifest(store, s).get("bytes", 0))
         except CheckpointError:
             pass
-    from .verify import Progress, verify_step
     progress = Progress(total, sys.stderr, not args.quiet)
-    bad = {}
-    for s in steps:
-        d = verify_step(store, s, progress)
-        if d:
-            bad[s] = d
-    progress.close()
-    for s in steps:
+    bad, done, stopped = {}, [], None
+    try:
+        for s in steps:
+            d = verify_step(store, s, progress)
+            done.append(s)
+            if d:
+                bad[s] = d
+    except StorageUnavailableError as e:   # report what was verified, then the error
+        stopped = e
+    finally:
+        progress.close()
+    for s in done:
         if s in bad:
             out.write(f"step {s}: DAMAGED, {len(bad[s])} leaf/leaves:\n")
             for where, msg in bad[s]:
                 out.write(f"  {msg}\n" if msg.startswith(where) else f"  {where}: {msg}\n")
         else:
             out.write(f"step {s}: ok\n")
+    if stopped is not None:
+        out.write(f"verification stopped: {len(steps) - len(done)} step(s) not verified\n")
+        raise stopped
     if bad:
         out.write(f"{len(bad)} of {len(steps)} step(s) damaged. Restoring them raises CorruptCheckpointError; "
                   f"restore an older step, or delete the damaged ones once a good step exists.\n")

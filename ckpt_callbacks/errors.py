@@ -15,6 +15,7 @@ to fix it.
 from __future__ import annotations
 
 import errno
+import re
 
 __all__ = [
     "CheckpointError",
@@ -98,6 +99,7 @@ _UNAVAILABLE_ERRNO = {errno.EACCES, errno.EPERM, errno.ETIMEDOUT, errno.ENOTCONN
                       errno.ECONNRESET, errno.EHOSTDOWN, errno.EHOSTUNREACH, errno.ENETDOWN, errno.ENETUNREACH,
                       errno.ESTALE, errno.EAGAIN, errno.EINTR, errno.ENOMEM, errno.EMFILE, errno.ENFILE}
 # tensorstore status codes of the same kind (its messages start with the code)
+_OS_ERROR_RE = re.compile(r"OS error (\d+)")
 _UNAVAILABLE_STATUS = ("ABORTED", "UNAVAILABLE", "DEADLINE_EXCEEDED", "PERMISSION_DENIED", "UNAUTHENTICATED",
                        "RESOURCE_EXHAUSTED", "CANCELLED")
 
@@ -110,7 +112,13 @@ def storage_unavailable(e: BaseException) -> bool:
         return True
     if isinstance(e, OSError):
         return e.errno in _UNAVAILABLE_ERRNO or isinstance(e, (TimeoutError, ConnectionError, PermissionError))
-    return str(e).split(":", 1)[0].strip() in _UNAVAILABLE_STATUS
+    msg = str(e)
+    if msg.split(":", 1)[0].strip() in _UNAVAILABLE_STATUS:
+        return True
+    # tensorstore's file kvstore maps errno to a status (ENOTCONN of a dead FUSE mount becomes
+    # FAILED_PRECONDITION) and keeps the number in the text
+    os_error = _OS_ERROR_RE.search(msg)
+    return bool(os_error) and int(os_error.group(1)) in _UNAVAILABLE_ERRNO
 
 
 def unavailable(where: str, what: str, detail: str) -> StorageUnavailableError:

@@ -38,7 +38,8 @@ import time
 import msgpack
 
 from . import coordination, lock, restore as restore_mod, snapshot
-from .errors import CheckpointError, CheckpointNotFoundError, ConfigError, CorruptCheckpointError, IncompatibleCheckpointError
+from .errors import (CheckpointError, CheckpointNotFoundError, ConfigError, CorruptCheckpointError,
+                     IncompatibleCheckpointError, StorageUnavailableError)
 from .retention import StepInfo, as_policies, best_policy, decide
 from .storage import open_store
 from .writing import SaveStats, write_and_commit
@@ -217,6 +218,8 @@ class CheckpointManager:
                 for s in sorted(i.step for i in infos if i.step not in keep):
                     self.store.delete(s)
                     deleted.append(s)
+            except StorageUnavailableError as e:   # nothing is lost by waiting: tried again after the next save
+                log.warning("ckpt_callbacks: retention after step %d skipped (storage unavailable): %s", stats.step, e)
             except Exception as e:  # noqa: BLE001 - told to the others, then re-raised
                 err = e
         if self.coord.process_count > 1:
@@ -239,7 +242,9 @@ class CheckpointManager:
                     m = restore_mod.read_manifest(self.store, s)
                     self._infos[s] = StepInfo(s, float((m.get("extra") or {}).get("time", m.get("time", 0.0))),
                                               m.get("metrics") or {})
-                except CheckpointError as e:  # damaged: kept (never silently dropped), never best
+                except StorageUnavailableError:
+                    raise   # says nothing about the step: not remembered as metric-less
+                except CheckpointError as e:  # damaged: listed, no metrics (never best), kept if a policy keeps it
                     log.warning("ckpt_callbacks: step %d: cannot read its manifest (%s)", s, e)
                     self._infos[s] = StepInfo(s, 0.0, {})
         infos = [self._infos.get(s) for s in steps]   # background retention may drop a step meanwhile
@@ -294,23 +299,22 @@ class CheckpointManager:
 
         A damaged step raises `CorruptCheckpointError` (it stays listed). With ``fallback=True``
         and ``step=None``, a damaged step is skipped with a warning and the next older committed
-        step is tried (every process moves together); `restored_step` says which step was read.
-        Storage that cannot be reached or refuses access raises `StorageUnavailableError` and is
-        never a reason to fall back: it says nothing about the step.
+        step is tried (every process moves together; a read-only manager decides alone on each
+        process); `restored_step` says which step was read. Storage that cannot be reached or
+        refuses access raises `StorageUnavailableError` (on every process, when several move
+        together) and is never a reason to fall back: it says nothing about the step.
         """
-        if step is None and self.coord.process_count > 1 and not self.read_only:
-            self._nrestores += 1
-            mine = msgpack.packb(self.latest_step()) if self.coord.process_index == 0 else None
-            step = msgpack.unpackb(self.coord.broadcast(f"restore/{self._nrestores}/latest", mine, self.timeout_s))
-            if step is None:
-                raise CheckpointNotFoundError(f"no committed checkpoint in {self.store.url}")
-        elif step is None:
-            step = self._resolve(None)
+        multi = self.coord.process_count > 1 and not self.read_only
+        if step is not None:
+            candidates, fallback = [self._resolve(step)], False
+        elif multi:   # process 0 lists the steps and tells the others: all try the same ones
+            candidates = self._agreed_candidates(fallback)
         else:
-            step = self._resolve(step)
-            fallback = False
-        candidates = [s for s in self.all_steps() if s <= step][::-1] if fallback else [step]
-        together = fallback and self.coord.process_count > 1   # every process moves to the same step
+            steps = self.all_steps()
+            if not steps:
+                raise CheckpointNotFoundError(f"no committed checkpoint in {self.store.url}")
+            candidates = steps[::-1] if fallback else steps[-1:]
+        together = fallback and multi   # every process moves to the same step
         for i, s in enumerate(candidates):
             error = failure = None
             try:
@@ -328,13 +332,15 @@ class CheckpointManager:
                 failure = e
             if together:
                 self._nrestores += 1
-                mine = b"!" if failure is not None else b"1" if error is None else b"0"
+                mine = (b"U" if isinstance(failure, StorageUnavailableError) else b"!" if failure is not None
+                        else b"1" if error is None else b"0")
                 oks = self.coord.all_gather(f"restore/{self._nrestores}/ok", mine, self.timeout_s)
                 if failure is not None:
                     raise failure
-                if b"!" in oks:
-                    raise CheckpointError(f"restoring step {s} failed on process(es) "
-                                          f"{[p for p, ok in enumerate(oks) if ok == b'!']} (see their error)")
+                failed = [p for p, ok in enumerate(oks) if ok in (b"U", b"!")]
+                if failed:   # the same class everywhere: a caller that retries does so on every process
+                    cls = StorageUnavailableError if b"U" in oks else CheckpointError
+                    raise cls(f"restoring step {s} failed on process(es) {failed} (see their errors)")
                 if error is None and b"0" in oks:
                     error = CorruptCheckpointError(f"step {s} is damaged on another process")
             if error is None:
@@ -343,7 +349,29 @@ class CheckpointManager:
             nxt = candidates[i + 1] if i + 1 < len(candidates) else None
             log.warning("ckpt_callbacks: step %d in %s is damaged (%s); %s", s, self.store.url, error,
                         f"falling back to step {nxt}" if nxt is not None else "no older step to fall back to")
-        raise CorruptCheckpointError(f"every committed step up to {step} in {self.store.url} is damaged")
+        raise CorruptCheckpointError(f"every committed step up to {candidates[0]} in {self.store.url} is damaged")
+
+    def _agreed_candidates(self, fallback: bool) -> list[int]:
+        """The steps every process tries, newest first (all with `fallback`, else the latest), as
+        process 0 lists them: one list even while a save commits or retention deletes meanwhile."""
+        self._nrestores += 1
+        mine = failure = None
+        if self.coord.process_index == 0:
+            try:
+                steps = self.all_steps()
+                mine = msgpack.packb([steps[::-1] if fallback else steps[-1:], None])
+            except Exception as e:   # noqa: BLE001 - told to the others, then re-raised
+                failure = e
+                mine = msgpack.packb([[], f"{type(e).__name__}: {e}"])
+        steps, err = msgpack.unpackb(self.coord.broadcast(f"restore/{self._nrestores}/latest", mine, self.timeout_s))
+        if failure is not None:
+            raise failure
+        if err is not None:
+            cls = StorageUnavailableError if err.startswith("StorageUnavailableError") else CheckpointError
+            raise cls(f"listing the committed steps of {self.store.url} on process 0 failed: {err}")
+        if not steps:
+            raise CheckpointNotFoundError(f"no committed checkpoint in {self.store.url}")
+        return steps
 
     def host_state(self, step: int | None = None, process_index: int | None = None, *, remap=None):
         """This process's host state saved with `step` (None if none was saved).

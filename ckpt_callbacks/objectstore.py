@@ -90,7 +90,7 @@ class ObjectStore(Store):
     save or deletion that owns ``step_N/`` right now: token, time, host, pid). Retries with
     exponential backoff are tensorstore's own (configured from the environment, see
     docs/storage.md), so that array chunks and small objects are retried alike; after the last one,
-    every operation raises `CheckpointError` naming the key and what to check.
+    every operation raises `StorageUnavailableError` naming the key and what to check.
     """
 
     local = False

@@ -35,7 +35,7 @@ import tensorstore as ts
 from . import format as fmt
 from . import chunkread, layout, treepath
 from .errors import (CheckpointNotFoundError, CorruptCheckpointError, IncompatibleCheckpointError,
-                     storage_unavailable, unavailable)
+                     StorageUnavailableError, storage_unavailable, unavailable)
 from .storage import Store
 
 __all__ = ["restore", "read_manifest", "read_host_state", "leaf_reader"]
@@ -43,7 +43,13 @@ __all__ = ["restore", "read_manifest", "read_host_state", "leaf_reader"]
 
 def read_manifest(store: Store, step: int) -> dict:
     rel = f"{fmt.step_name(step)}/{fmt.MANIFEST}"
-    return fmt.unpack_manifest(store.read(rel), where=f"{store.url}/{rel}")
+    try:
+        data = store.read(rel)
+    except OSError as e:
+        if isinstance(e, (CheckpointNotFoundError, StorageUnavailableError)):
+            raise
+        raise CorruptCheckpointError(f"{store.url}/{rel} cannot be read: {e}") from None   # e.g. EIO
+    return fmt.unpack_manifest(data, where=f"{store.url}/{rel}")
 
 
 def read_host_state(store: Store, step: int, manifest: dict, process_index: int):

@@ -31,7 +31,7 @@ import shutil
 import urllib.parse
 
 from . import format as fmt
-from .errors import CheckpointError, CheckpointNotFoundError
+from .errors import CheckpointError, CheckpointNotFoundError, StorageUnavailableError, storage_unavailable
 
 __all__ = ["Store", "LocalStore", "open_store"]
 
@@ -145,6 +145,11 @@ class LocalStore(Store):
                 return f.read()
         except FileNotFoundError:
             raise CheckpointNotFoundError(f"{self.path(rel)} does not exist") from None
+        except OSError as e:
+            if storage_unavailable(e):   # permission, stale handle, timeout: not the file's content
+                raise StorageUnavailableError(f"reading {self.path(rel)} failed: {e}; check permissions, "
+                                              f"mounts and network, then retry") from None
+            raise
 
     def committed_steps(self) -> list[int]:
         try:

@@ -26,7 +26,7 @@ import html
 import math
 import time
 
-from .errors import CheckpointError
+from .errors import CheckpointError, StorageUnavailableError
 
 __all__ = ["SaveRecord", "PHASES", "records_from_stats", "records_from_manifests", "render_svg", "render_html"]
 
@@ -82,6 +82,8 @@ def records_from_manifests(store, steps=None, last: int | None = None) -> list[S
     for s in steps:
         try:
             m = read_manifest(store, s)
+        except StorageUnavailableError:
+            raise
         except CheckpointError:
             continue
         t = m.get("timings") or {}

@@ -201,8 +201,8 @@ def save_and_check(root: str, one_process_dir: str | None = None, mesh_shape=(2,
 def fallback_together(root: str, m: Mesh) -> dict:
     """``restore(fallback=True)`` when only one process meets the problem: a chunk of step 2 that
     only process 1 reads is damaged (every process falls back to step 1), then process 1 cannot
-    reach its storage (no process falls back: process 1 raises StorageUnavailableError, the
-    others say which process failed)."""
+    reach its storage (no process falls back: every process raises StorageUnavailableError, the
+    others saying which process failed), then process 0 cannot list the steps."""
     from jax.experimental import multihost_utils
     from ckpt_callbacks import restore as restore_mod
     pi = jax.process_index()
@@ -235,6 +235,21 @@ def fallback_together(root: str, m: Mesh) -> dict:
             out["unavailable"] = [type(e).__name__, str(e)]
         finally:
             restore_mod.leaf_reader._check_backing = real
+        # process 0 cannot even list the steps: every process is told, nobody waits out a timeout
+        if pi == 0:
+            def unlisted():
+                raise cc.StorageUnavailableError("simulated listing outage on process 0")
+            mngr.all_steps = unlisted
+        t0 = time.monotonic()
+        try:
+            mngr.restore(target=target, fallback=True)
+            out["unlisted"] = None
+        except cc.CheckpointError as e:
+            out["unlisted"] = [type(e).__name__, str(e), time.monotonic() - t0 < 30]
+        finally:
+            mngr.__dict__.pop("all_steps", None)
+        mngr.restore(target=target, fallback=True)   # and all stay in step afterwards
+        out["after"] = mngr.restored_step
     return out
 
 

@@ -171,6 +171,26 @@ def test_verify_catches_a_missing_chunk(ckpt, tmp_path):
     assert rc == 1 and "step 40: DAMAGED" in out and "['params']['w']" in out
 
 
+def test_an_outage_is_never_reported_as_damage_by_ls_or_verify(ckpt, monkeypatch):
+    from ckpt_callbacks import restore as restore_mod
+    real_array, real_manifest = restore_mod.leaf_reader.array, restore_mod.read_manifest
+
+    def array(self, rec, *a, **k):   # step 30's arrays cannot be reached
+        if self.step == 30:
+            raise cc.StorageUnavailableError("['params']['w']: reading arrays/0 failed: the storage could not be "
+                                             "reached (simulated)")
+        return real_array(self, rec, *a, **k)
+
+    monkeypatch.setattr(restore_mod.leaf_reader, "array", array)
+    rc, out, err = run("verify", ckpt, "--all", "--quiet")
+    assert rc == 1 and "StorageUnavailableError" in err and "DAMAGED" not in out
+    assert out.splitlines() == ["step 20: ok", "verification stopped: 2 step(s) not verified"]
+    monkeypatch.setattr(restore_mod, "read_manifest", lambda store, s: (
+        (_ for _ in ()).throw(cc.StorageUnavailableError("simulated")) if s == 30 else real_manifest(store, s)))
+    rc, out, err = run("ls", ckpt)
+    assert rc == 1 and "StorageUnavailableError" in err and "damaged" not in out
+
+
 def test_gc_dry_run_changes_nothing_then_gc_deletes_exactly(ckpt, tmp_path):
     d = str(tmp_path / "run")
     shutil.copytree(ckpt, d)

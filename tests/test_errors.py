@@ -37,6 +37,10 @@ def test_hierarchy_and_builtin_bases():
     (ValueError("FAILED_PRECONDITION: Error reading \"c/0/0\": Not enough data"), False),
     (ValueError("NOT_FOUND: chunk {0, 0} stored at \"c/0/0\" is missing"), False),
     (ValueError("garbage that mentions UNAVAILABLE: later"), False),
+    (ValueError("FAILED_PRECONDITION: Error reading local file \"/mnt/gcs/c/0\": [OS error 107: "
+                "Transport endpoint is not connected]"), True),   # a dead FUSE mount
+    (ValueError("FAILED_PRECONDITION: Error reading local file \"/x/c/0\": [OS error 5: Input/output error]"),
+     False),
     (cc.StorageUnavailableError("s3://b/: list failed"), True),
     (cc.CorruptCheckpointError("['w']: checksum mismatch"), False),
 ])

@@ -25,6 +25,26 @@ def test_interval_and_force(ckdir):
         assert saved == [5, 10] and m.all_steps() == [5, 10, 13] and m.latest_step() == 13
 
 
+def test_an_outage_while_reading_metrics_skips_retention_instead_of_deleting_the_best(ckdir, monkeypatch, caplog):
+    from ckpt_callbacks import restore as restore_mod
+    policy = cc.KeepBest("loss", "min", 1)
+    with cc.CheckpointManager(ckdir, retention=policy) as m:
+        m.save(1, {"x": np.ones(3)}, metrics={"loss": 0.1})
+    real = restore_mod.read_manifest
+    monkeypatch.setattr(restore_mod, "read_manifest", lambda store, s: (
+        (_ for _ in ()).throw(cc.StorageUnavailableError("simulated outage")) if s == 1 else real(store, s)))
+    with caplog.at_level(logging.WARNING, "ckpt_callbacks"):
+        with cc.CheckpointManager(ckdir, retention=policy) as m:   # a new manager: nothing remembered
+            m.save(2, {"x": np.ones(3)}, metrics={"loss": 0.5})
+            m.wait_until_finished()
+            assert m.all_steps() == [1, 2]   # step 1 is the best: an outage is no reason to drop it
+            assert "retention after step 2 skipped" in caplog.text
+            monkeypatch.setattr(restore_mod, "read_manifest", real)
+            m.save(3, {"x": np.ones(3)}, metrics={"loss": 0.9})
+            m.wait_until_finished()
+            assert m.all_steps() == [1, 3]   # the store is back: best (1) and newest (3)
+
+
 def test_retention_survives_restart_and_best_is_rebuilt(ckdir):
     losses = {1: 0.9, 2: 0.3, 3: 0.5, 4: 0.1, 5: 0.7, 6: None, 7: 0.8}
     policy = [cc.KeepLast(2), cc.KeepBest("val_loss", "min", 2)]

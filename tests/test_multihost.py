@@ -85,7 +85,11 @@ def test_fallback_moves_every_process_together_and_never_on_unavailable_storage(
     # process 1 cannot reach its storage: nobody falls back, and process 0 says who failed
     (n0, m0), (n1, m1) = res[0]["unavailable"], res[1]["unavailable"]
     assert n1 == "StorageUnavailableError" and "simulated outage" in m1
-    assert n0 == "CheckpointError" and "failed on process(es) [1]" in m0
+    assert n0 == "StorageUnavailableError" and "failed on process(es) [1]" in m0
+    # process 0 cannot list the steps: both raise at once, and the next restore works on both
+    assert [r["unlisted"][0] for r in res] == ["StorageUnavailableError"] * 2
+    assert "simulated listing outage" in res[0]["unlisted"][1] and "on process 0 failed" in res[1]["unlisted"][1]
+    assert [r["unlisted"][2] for r in res] == [True, True] and [r["after"] for r in res] == [1, 1]
 
 
 def test_one_process_checkpoint_restores_onto_two_processes(two):

@@ -243,6 +243,29 @@ def test_unreadable_chunk_falls_back_only_when_the_data_is_bad(ckdir, monkeypatc
             assert m.restored_step is None
 
 
+@pytest.mark.parametrize("err,expected", [(errno.EACCES, cc.StorageUnavailableError),
+                                          (errno.EIO, cc.CorruptCheckpointError)])
+def test_unreadable_manifest_is_unavailable_storage_or_damage_by_its_errno(ckdir, monkeypatch, err, expected):
+    from ckpt_callbacks import storage
+    with cc.CheckpointManager(ckdir) as m:
+        for s in (1, 2):
+            m.save(s, {"x": np.full(4, s)})
+
+    def failing_open(path, *a, **k):
+        if f"{fmt.step_name(2)}{os.sep}{fmt.MANIFEST}" in str(path):
+            raise OSError(err, os.strerror(err), str(path))
+        return open(path, *a, **k)
+
+    monkeypatch.setattr(storage, "open", failing_open, raising=False)
+    with cc.CheckpointManager(ckdir, read_only=True) as m:
+        if expected is cc.CorruptCheckpointError:
+            assert m.restore(fallback=True)["x"][0] == 1 and m.restored_step == 1
+        else:
+            with pytest.raises(expected, match="step_0000000002"):
+                m.restore(fallback=True)
+            assert m.restored_step is None
+
+
 def test_array_without_its_crc32c_codec_is_never_read_unchecked(ckdir):
     import json
     with cc.CheckpointManager(ckdir) as m:
