@@ -266,6 +266,40 @@ def test_unreadable_manifest_is_unavailable_storage_or_damage_by_its_errno(ckdir
             assert m.restored_step is None
 
 
+@pytest.mark.parametrize("err,expected", [(errno.EACCES, cc.StorageUnavailableError),
+                                          (errno.EIO, cc.CorruptCheckpointError)])
+def test_unreadable_blob_is_unavailable_storage_or_damage_by_its_errno(ckdir, monkeypatch, err, expected):
+    from ckpt_callbacks import restore as restore_mod
+    with cc.CheckpointManager(ckdir) as m:
+        m.save(1, {"b": np.arange(10.0)})   # a small leaf: packed into a blob
+    real = restore_mod.leaf_reader._read_aligned
+
+    def failing(self, rel):
+        if "blobs/" in rel:
+            raise OSError(err, os.strerror(err), rel)
+        return real(self, rel)
+
+    monkeypatch.setattr(restore_mod.leaf_reader, "_read_aligned", failing)
+    with pytest.raises(expected, match=r"\['b'\]"):
+        cc.CheckpointManager(ckdir, read_only=True).restore()
+
+
+@pytest.mark.parametrize("message,expected", [
+    ("UNAVAILABLE: Failed to connect", cc.StorageUnavailableError),
+    ("FAILED_PRECONDITION: Error reading \"c/0/0\": [OS error 116: Stale file handle]", cc.StorageUnavailableError),
+    ("DATA_LOSS: Error reading \"c/0/0\": Digest mismatch", cc.CorruptCheckpointError),
+])
+def test_verify_tells_an_unreadable_chunk_from_a_damaged_one(message, expected):
+    from ckpt_callbacks import verify
+
+    class Failed:
+        def result(self):
+            raise ValueError(message)
+
+    with pytest.raises(expected, match=r"\['w'\]"):
+        verify._drain(((0, 0), (slice(0, 4), slice(0, 4)), Failed()), {"z": "arrays/0"}, "['w']", 4, None, str)
+
+
 def test_array_without_its_crc32c_codec_is_never_read_unchecked(ckdir):
     import json
     with cc.CheckpointManager(ckdir) as m:
