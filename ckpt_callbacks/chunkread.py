@@ -12,8 +12,8 @@ Example (what `restore.leaf_reader.read_boxes` does for a local array leaf)::
         chunkread.read_boxes(root, rec, [tuple((0, n) for n in arr.shape)], [out], "['w']")
 
 The format's arrays are zarr3 with the ``bytes`` (little-endian, C order) and ``crc32c`` codecs
-(written by tensorstore, see writing.zarr_spec): a chunk file is the chunk's raw bytes followed by
-their CRC-32C. For local files that layout lets a restore ``preadv`` each chunk into the very
+(see writing.zarr_spec; local chunk files are written by `chunkwrite`, others by tensorstore): a
+chunk file is the chunk's raw bytes followed by their CRC-32C. For local files that layout lets a restore ``preadv`` each chunk into the very
 buffer its device will adopt, and check the CRC on it, with no intermediate buffer: on small
 machines fresh memory is the cost of a restore, and tensorstore's read path touches each byte's
 memory twice (its own read buffer, then ours). Chunks that several target shards share (a

@@ -311,7 +311,8 @@ def _consume(store, staging, snap, items, arrays, budget):
             rec = snap.records[w.leaf]
             data = _to_storage(np.asarray(w.data), rec["dt"])
             todo = chunkwrite.pieces(rec, w.box, data) if direct else None
-            rels = [f"{staging}/{rec['z']}/{fmt.chunk_key(idx)}" for idx in layout.chunks_of(w.box, rec["ch"])]
+            rels = [f"{staging}/{rec['z']}/{fmt.chunk_key(idx)}"   # local stores: this box's chunk files
+                    for idx in layout.chunks_of(w.box, rec["ch"])] if early else None
             if todo is not None:
                 fut = direct.submit(write_direct, rels, [v for _, v in todo])
             else:

@@ -216,6 +216,15 @@ def test_committed_step_without_its_manifest_is_damage_and_falls_back(ckdir):
         assert m.restore(fallback=True)["x"][0] == 1 and m.restored_step == 1
 
 
+def _failing(real, needle: str, err: int):
+    """`real` (an open function) raising OSError(`err`) for every path that contains `needle`."""
+    def fn(path, *a, **k):
+        if needle in str(path):
+            raise OSError(err, os.strerror(err), str(path))
+        return real(path, *a, **k)
+    return fn
+
+
 @pytest.mark.parametrize("err,falls_back", [(errno.EACCES, False), (errno.ESTALE, False), (errno.ETIMEDOUT, False),
                                             (errno.EIO, True)])
 def test_unreadable_chunk_falls_back_only_when_the_data_is_bad(ckdir, monkeypatch, err, falls_back):
@@ -224,14 +233,8 @@ def test_unreadable_chunk_falls_back_only_when_the_data_is_bad(ckdir, monkeypatc
     with cc.CheckpointManager(ckdir) as m:
         for s in (1, 2):
             m.save(s, {"w": np.full((400, 1000), s, np.float32)})   # one array leaf, one chunk file
-    real_open = os.open
-
-    def failing_open(path, *a, **k):
-        if f"{fmt.step_name(2)}{os.sep}arrays" in str(path) and f"{os.sep}c{os.sep}" in str(path):
-            raise OSError(err, os.strerror(err), str(path))
-        return real_open(path, *a, **k)
-
-    monkeypatch.setattr(os, "open", failing_open)
+    chunk = os.path.join(fmt.step_name(2), "arrays", "0", "c", "")
+    monkeypatch.setattr(os, "open", _failing(os.open, chunk, err))
     with cc.CheckpointManager(ckdir, read_only=True) as m:
         if falls_back:
             with pytest.raises(cc.CorruptCheckpointError, match=r"\['w'\]"):
@@ -251,12 +254,8 @@ def test_unreadable_manifest_is_unavailable_storage_or_damage_by_its_errno(ckdir
         for s in (1, 2):
             m.save(s, {"x": np.full(4, s)})
 
-    def failing_open(path, *a, **k):
-        if f"{fmt.step_name(2)}{os.sep}{fmt.MANIFEST}" in str(path):
-            raise OSError(err, os.strerror(err), str(path))
-        return open(path, *a, **k)
-
-    monkeypatch.setattr(storage, "open", failing_open, raising=False)
+    monkeypatch.setattr(storage, "open", _failing(open, os.path.join(fmt.step_name(2), fmt.MANIFEST), err),
+                        raising=False)
     with cc.CheckpointManager(ckdir, read_only=True) as m:
         if expected is cc.CorruptCheckpointError:
             assert m.restore(fallback=True)["x"][0] == 1 and m.restored_step == 1
