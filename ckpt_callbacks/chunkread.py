@@ -33,7 +33,7 @@ import numpy as np
 
 from . import format as fmt
 from . import layout
-from .errors import CorruptCheckpointError, storage_unavailable, unavailable
+from .errors import CorruptCheckpointError, read_failure
 
 
 def direct(arr) -> bool:
@@ -106,9 +106,8 @@ def _read_chunk(path: str, dest: np.ndarray, chunk_bytes: int, where: str) -> No
     except FileNotFoundError:
         raise CorruptCheckpointError(f"{where}: chunk file {path} is missing", where) from None
     except OSError as e:   # e.g. a file where a chunk directory should be
-        if storage_unavailable(e):
-            raise unavailable(where, f"chunk file {path}", str(e)) from None
-        raise CorruptCheckpointError(f"{where}: chunk file {path} cannot be opened: {e}", where) from None
+        raise read_failure(e, where, f"chunk file {path}", str(e),
+                           f"{where}: chunk file {path} cannot be opened: {e}") from None
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
@@ -120,9 +119,8 @@ def _read_chunk(path: str, dest: np.ndarray, chunk_bytes: int, where: str) -> No
         try:
             _read_exact(fd, [dest, tail], chunk_bytes + 4, path, where)
         except OSError as e:
-            if storage_unavailable(e):
-                raise unavailable(where, f"chunk file {path}", str(e)) from None
-            raise CorruptCheckpointError(f"{where}: reading chunk file {path} failed: {e}", where) from None
+            raise read_failure(e, where, f"chunk file {path}", str(e),
+                               f"{where}: reading chunk file {path} failed: {e}") from None
     finally:
         os.close(fd)
     if fmt.crc32c(dest) != int.from_bytes(tail, "little"):

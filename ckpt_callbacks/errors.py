@@ -28,7 +28,7 @@ __all__ = [
     "InvalidTreeError",
     "StorageUnavailableError",
     "storage_unavailable",
-    "unavailable",
+    "read_failure",
 ]
 
 
@@ -121,8 +121,12 @@ def storage_unavailable(e: BaseException) -> bool:
     return bool(os_error) and int(os_error.group(1)) in _UNAVAILABLE_ERRNO
 
 
-def unavailable(where: str, what: str, detail: str) -> StorageUnavailableError:
-    """The error for reading `what` (of the leaf at key path `where`) when `storage_unavailable`."""
-    return StorageUnavailableError(f"{where}: reading {what} failed: the storage could not be reached or refused "
-                                   f"access ({detail}). The step is not known to be damaged: check the endpoint, "
-                                   f"credentials, permissions and network, then retry.")
+def read_failure(e: BaseException, where: str, what: str, detail: str, damaged: str) -> CheckpointError:
+    """The error to raise when reading `what` of the leaf at key path `where` failed with `e`
+    (`detail`: its message, redacted where it may name an endpoint): `StorageUnavailableError` when
+    `storage_unavailable(e)`, else `CorruptCheckpointError` with the message `damaged`."""
+    if storage_unavailable(e):
+        return StorageUnavailableError(f"{where}: reading {what} failed: the storage could not be reached or "
+                                       f"refused access ({detail}). The step is not known to be damaged: check "
+                                       f"the endpoint, credentials, permissions and network, then retry.")
+    return CorruptCheckpointError(damaged, where)

@@ -35,7 +35,7 @@ import tensorstore as ts
 from . import format as fmt
 from . import chunkread, layout, treepath
 from .errors import (CheckpointNotFoundError, CorruptCheckpointError, IncompatibleCheckpointError,
-                     StorageUnavailableError, storage_unavailable, unavailable)
+                     StorageUnavailableError, read_failure)
 from .storage import Store
 
 __all__ = ["restore", "read_manifest", "read_host_state", "leaf_reader"]
@@ -94,9 +94,7 @@ class leaf_reader:
             except (FileNotFoundError, CheckpointNotFoundError):
                 raise CorruptCheckpointError(f"{where}: blob {rel} is missing", where) from None
             except (OSError, ValueError) as e:
-                if storage_unavailable(e):
-                    raise unavailable(where, f"blob {rel}", str(e)) from None
-                raise CorruptCheckpointError(f"{where}: blob {rel} cannot be read: {e}", where) from None
+                raise read_failure(e, where, f"blob {rel}", str(e), f"{where}: blob {rel} cannot be read: {e}") from None
             try:
                 entries = fmt.bin_entries(buf)
             except ValueError as e:
@@ -156,9 +154,8 @@ class leaf_reader:
             arr = ts.open(spec, context=ctx).result()
         except Exception as e:
             detail = self.store.redact(str(e))[:300]
-            if storage_unavailable(e):
-                raise unavailable(where, f"array {rec['z']}", detail) from None
-            raise CorruptCheckpointError(f"{where}: cannot open array {rec['z']}: {detail}", where) from None
+            raise read_failure(e, where, f"array {rec['z']}", detail,
+                               f"{where}: cannot open array {rec['z']}: {detail}") from None
         chunks = list(arr.chunk_layout.read_chunk.shape or [])   # None for a 0-d array
         if (list(arr.shape) != rec["sh"] or arr.dtype.numpy_dtype != np.dtype(fmt.storage_dtype(rec["dt"]))
                 or chunks != rec["ch"]):
@@ -180,9 +177,8 @@ class leaf_reader:
                 keys = [k for k in keys if k == b"c" or k.startswith(b"c/")]   # a 0-d array's one chunk is "c"
                 stored = sum(os.path.getsize(os.path.join(root, k.decode())) for k in keys)
             except (OSError, ValueError) as e:
-                if storage_unavailable(e):
-                    raise unavailable(where, f"the chunk list of {rec['z']}", str(e)) from None
-                raise CorruptCheckpointError(f"{where}: the chunks of {rec['z']} cannot be listed: {e}", where) from None
+                raise read_failure(e, where, f"the chunk list of {rec['z']}", str(e),
+                                   f"{where}: the chunks of {rec['z']} cannot be listed: {e}") from None
         else:  # list from the store's root: listing a sub-path gcs kvstore aborts tensorstore (std::out_of_range)
             base = f"{self.base}/{rec['z']}/"
             keys = [k[len(base):].encode() for k in self.store._list(base + "c")]
@@ -219,10 +215,8 @@ class leaf_reader:
                     ts.array(out).write(arr[tuple(slice(lo, hi) for lo, hi in b)]).result()
                 except Exception as e:
                     detail = self.store.redact(str(e))[:300]
-                    if storage_unavailable(e):
-                        raise unavailable(where, rec["z"], detail) from None
-                    raise CorruptCheckpointError(f"{where}: reading {rec['z']} failed (damaged or missing chunk): "
-                                                 f"{detail}", where) from None
+                    raise read_failure(e, where, rec["z"], detail,
+                                       f"{where}: reading {rec['z']} failed (damaged or missing chunk): {detail}") from None
         return [out.view(fmt.logical_dtype(rec["dt"])) for out in outs]
 
 

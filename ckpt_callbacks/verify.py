@@ -22,7 +22,7 @@ import time
 import numpy as np
 
 from . import format as fmt, treepath
-from .errors import CheckpointError, CorruptCheckpointError, StorageUnavailableError, storage_unavailable, unavailable
+from .errors import CheckpointError, StorageUnavailableError, read_failure
 from .restore import leaf_reader, read_host_state, read_manifest
 
 __all__ = ["verify_step", "Progress"]
@@ -123,7 +123,6 @@ def _drain(item, rec, where, itemsize, progress, redact):
     try:
         fut.result()
     except Exception as e:
-        if storage_unavailable(e):
-            raise unavailable(where, f"chunk {list(idx)} of {rec['z']}", redact(str(e))[:300]) from None
-        raise CorruptCheckpointError(f"{where}: chunk {list(idx)} of {rec['z']} is damaged or missing: "
-                                     f"{redact(str(e))[:200]}", where) from None
+        detail = redact(str(e))
+        raise read_failure(e, where, f"chunk {list(idx)} of {rec['z']}", detail[:300],
+                           f"{where}: chunk {list(idx)} of {rec['z']} is damaged or missing: {detail[:200]}") from None

@@ -215,7 +215,7 @@ def _open_arrays(store, staging, snap, coord, timeout_s, barrier_name) -> dict:
 
 
 class _EarlySync:
-    """fsync each box's chunk files as soon as tensorstore has written them (local stores only),
+    """fsync each box's chunk files as soon as they are written (local stores only),
     so the device flushes early leaves while later ones are still being written; the final
     `store.sync` then skips what is done. Errors re-raise from `close` (the save fails)."""
 
@@ -311,11 +311,12 @@ def _consume(store, staging, snap, items, arrays, budget):
             rec = snap.records[w.leaf]
             data = _to_storage(np.asarray(w.data), rec["dt"])
             todo = chunkwrite.pieces(rec, w.box, data) if direct else None
-            rels = [f"{staging}/{rec['z']}/{fmt.chunk_key(idx)}"   # local stores: this box's chunk files
-                    for idx in layout.chunks_of(w.box, rec["ch"])] if early else None
             if todo is not None:
+                rels = [f"{staging}/{rec['z']}/{k}" for k, _ in todo]
                 fut = direct.submit(write_direct, rels, [v for _, v in todo])
             else:
+                rels = [f"{staging}/{rec['z']}/{fmt.chunk_key(idx)}"
+                        for idx in layout.chunks_of(w.box, rec["ch"])] if early else []
                 # the copy is ours and never changes: tensorstore may keep it instead of copying it again
                 fut = arrays[w.leaf][tuple(slice(a, b) for a, b in w.box)].write(
                     data, can_reference_source_data_indefinitely=True)

@@ -5,7 +5,7 @@ import errno
 import pytest
 
 import ckpt_callbacks as cc
-from ckpt_callbacks.errors import storage_unavailable, unavailable
+from ckpt_callbacks.errors import read_failure, storage_unavailable
 
 
 def test_hierarchy_and_builtin_bases():
@@ -49,8 +49,14 @@ def test_storage_unavailable_tells_outages_from_damage(e, expected):
 
 
 def test_unavailable_error_names_the_key_path_and_what_to_do():
-    e = unavailable("['params']['w']", "chunk c/0/0", "PERMISSION_DENIED: HTTP 403")
+    e = read_failure(ValueError("PERMISSION_DENIED: HTTP 403"), "['params']['w']", "chunk c/0/0",
+                     "PERMISSION_DENIED: HTTP 403", "unused")
     assert isinstance(e, cc.StorageUnavailableError)
     msg = str(e)
     assert msg.startswith("['params']['w']: reading chunk c/0/0 failed") and "HTTP 403" in msg
     assert "not known to be damaged" in msg and "retry" in msg
+
+
+def test_a_read_failure_that_is_not_an_outage_is_damage_naming_the_key_path():
+    e = read_failure(ValueError("DATA_LOSS: Digest mismatch"), "['w']", "chunk c/0/0", "DATA_LOSS", "['w']: damaged")
+    assert isinstance(e, cc.CorruptCheckpointError) and str(e) == "['w']: damaged" and e.key_path == "['w']"
