@@ -172,3 +172,20 @@ def test_a_cell_past_its_timeout_is_reported_not_waited_for(tmp_path, capsys):
     got = json.loads(capsys.readouterr().out)
     assert [r["skipped"] for r in got["rows"]] == [
         "did not finish within --cell-timeout 0.5 s (a hang?); rows measured before are kept"]
+
+
+def test_ours_and_raw_take_turns_so_the_disk_ratio_is_paired(tmp_path, devices):
+    """The disk target is ours / raw write+fsync: the two alternate round by round (ours first,
+    then raw first), each repeat reported, while other peers run their repeats as before."""
+    from ckpt_callbacks import bench_workloads as bw
+    said = []
+    ctx = bw.Context(root=str(tmp_path), storage="disk", scale=0.001, repeats=3,
+                     peers=("ckpt_callbacks", "np.savez", "raw"), log=said.append)
+    rows = list(bw.WORKLOADS["big"](ctx))
+    order = [m.split()[1] for m in said if "#" in m]
+    assert order == ["ckpt_callbacks", "raw", "raw", "ckpt_callbacks", "ckpt_callbacks", "raw",
+                     "np.savez", "np.savez", "np.savez"]
+    got = {r["peer"]: r for r in rows}
+    assert [r["peer"] for r in rows] == ["ckpt_callbacks", "raw", "np.savez"]
+    assert all(got[p]["repeats"] == 3 and got[p]["correct"] for p in got)
+    assert got["ckpt_callbacks"]["durable_s"] == pytest.approx(min(s["durable_s"] for s in got["ckpt_callbacks"]["samples"]), abs=1e-4)
