@@ -15,7 +15,8 @@ measured, so a hang later loses no earlier row); it creates and removes director
 ``wait`` returns (bytes fsynced and committed); ``restore_s`` = restore onto the target's shardings
 until ready, after the files were evicted from the page cache (``cache="cold"``; no-op on tmpfs).
 Per column the best of ``repeats`` is reported (the machine is shared: the minimum is the least
-disturbed); ckpt_callbacks and raw write+fsync, whose ratio is a target, take turns repeat by repeat; ``peak_rss`` is the highest host RSS above the live state seen during save+wait.
+disturbed); ckpt_callbacks and raw write+fsync, whose ratio is a target, take turns repeat by
+repeat; ``peak_rss`` is the highest host RSS above the live state seen during save+wait.
 """
 
 from __future__ import annotations
