@@ -21,8 +21,10 @@ Who calls what, in which order (Keras calls the hooks; on every process under mu
     `BackupAndRestore` uses and `fit` reads right after this hook).
   * `on_epoch_begin`: for the epoch a resumed run continues in the middle of, positions the
     `ResumableDataset` after the batches already trained on and restores the epoch's running metrics.
-  * `on_train_batch_end` / `on_train_batch_begin` (``save_freq=N``): counts batches; a due save is
-    taken at the next batch's begin (same state, and it never collides with the epoch-end save).
+  * `on_train_batch_begin` (main thread): counts the batches run so far; with ``save_freq=N`` a due
+    save is taken there, before the next batch (it never collides with the epoch-end save).
+    `on_train_batch_end` only records how far the epoch got; it is ``async_safe``, so Keras may run
+    it on a thread of its own and need not wait for each step's logs (see `AsyncCheckpoint`).
   * `on_epoch_end`: records the monitor's best value and saves with the epoch's logs as metrics
     (``val_*`` appear only here, so only epoch-end steps can rank as best).
   * `on_train_end`: waits for the last save, applies retention, closes the manager; a background
@@ -41,6 +43,7 @@ from __future__ import annotations
 import logging
 import math
 import random
+import threading
 import time
 import warnings
 
@@ -137,6 +140,11 @@ def _numeric_logs(logs) -> dict:
 class AsyncCheckpoint(keras.callbacks.Callback):
     """Checkpoints `model.fit` asynchronously and resumes it exactly. See the module docstring.
 
+    Keras may run `on_train_batch_end` off the main thread (``async_safe``): a batch-end hook
+    that Keras must call in line makes it turn every batch's logs into Python floats first, i.e.
+    wait for each step before dispatching the next. This one only records how far the epoch got;
+    saves are decided on the main thread, in `on_train_batch_begin` and `on_epoch_end`.
+
     Args:
       directory: local path, ``s3://bucket/prefix`` or ``gs://bucket/prefix``; one run per directory.
       save_freq: ``"epoch"`` (at each epoch end) or an int N: every N batches, and at each epoch end.
@@ -157,6 +165,8 @@ class AsyncCheckpoint(keras.callbacks.Callback):
       async_save, max_staging_bytes: passed to `CheckpointManager`.
       verbose: 1 prints a line per resume and per save.
     """
+
+    async_safe = True
 
     def __init__(self, directory, *, save_freq="epoch", monitor: str = "val_loss", mode: str = "auto",
                  initial_value_threshold: float | None = None, retention=None, keep_last: int | None = None,
@@ -242,7 +252,8 @@ class AsyncCheckpoint(keras.callbacks.Callback):
         self.best = self.initial_value_threshold
         self.resumed_step, self.initial_epoch, self.initial_batch = None, 0, 0
         self._epoch, self._batch, self._global_step = 0, 0, 0
-        self._since_save, self._pending, self._skip = 0, False, 0
+        self._since_save, self._skip, self._ended = 0, 0, 0
+        self._ended_lock = threading.Lock()
         self._resume_at, self._resumed_metrics = None, None
         step = self.manager.latest_step()
         if step is None:
@@ -307,6 +318,8 @@ class AsyncCheckpoint(keras.callbacks.Callback):
             skip = self._resume_at[1]
         self._resume_at = None
         self._epoch, self._batch, self._skip = epoch, skip, skip
+        with self._ended_lock:
+            self._ended = skip
         if isinstance(self.data, ResumableDataset):
             self.data.set_position(epoch, skip)
         if skip:
@@ -320,23 +333,30 @@ class AsyncCheckpoint(keras.callbacks.Callback):
         self._resumed_metrics = None
 
     def on_train_batch_begin(self, batch, logs=None):
-        if self._pending:
-            self._pending = False
+        # `batch` is the first step of this call: every step before it has run
+        self._advance(self._skip + int(batch))
+        if self.save_freq != "epoch" and self._since_save >= self.save_freq:
+            self._since_save = 0
             self._save(self._epoch, self._batch, metrics=None)
 
     def on_train_batch_end(self, batch, logs=None):
-        done = self._skip + int(batch) + 1
+        # Off the main thread (async_safe): only records how far the epoch got, for on_epoch_end.
+        with self._ended_lock:
+            self._ended = max(self._ended, self._skip + int(batch) + 1)
+
+    def _advance(self, done: int) -> None:
+        """Count the steps of this epoch up to `done` (main thread)."""
         n = done - self._batch
-        self._global_step += n
-        self._batch = done
-        if self.save_freq != "epoch":
+        if n > 0:
+            self._global_step += n
+            self._batch = done
             self._since_save += n
-            if self._since_save >= self.save_freq:
-                self._since_save, self._pending = 0, True
 
     def on_epoch_end(self, epoch, logs=None):
         self._exit_warn_ctx()
-        self._pending, self._since_save = False, 0
+        with self._ended_lock:   # Keras has waited for every batch-end hook of the epoch
+            self._advance(self._ended)
+        self._since_save = 0
         metrics = _numeric_logs(logs)
         current = metrics.get(self.monitor)
         if current is not None and self._mode is not None and not math.isnan(current):

@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
@@ -206,6 +207,32 @@ def test_keep_last_and_keep_best_on_val_loss_leave_exactly_the_expected_steps(ck
     assert cb.manager.best_step() == best == mngr.best_step()
     assert "val_loss" not in mngr.metrics(20) and mngr.metrics(best)["val_loss"] == pytest.approx(min(val_loss))
     assert cb.best == pytest.approx(min(val_loss))
+
+
+@pytest.mark.parametrize("steps_per_execution, steps", [(1, [3, 6, 8, 11, 14, 16]), (2, [4, 8, 12, 16])])
+def test_batch_end_hook_runs_off_the_main_thread_and_saves_stay_exact(ckdir, steps_per_execution, steps):
+    """The callback is async_safe: Keras calls its batch-end hook on a thread of its own instead of
+    turning every batch's logs into floats first (which waits for each step). The saves, decided on
+    the main thread at batch begin and epoch end, still land exactly: save_freq=3, 8 batches per
+    epoch, also when Keras runs 2 steps per call."""
+    threads = set()
+
+    class Probe(AsyncCheckpoint):
+        def on_train_batch_end(self, batch, logs=None):
+            threads.add(threading.current_thread() is threading.main_thread())
+            super().on_train_batch_end(batch, logs)
+
+    x, y, _ = _data(n=128)
+    model = _model()
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse", steps_per_execution=steps_per_execution)
+    cb = Probe(ckdir, save_freq=3, data=False)
+    model.fit(x, y, batch_size=16, epochs=2, verbose=0, shuffle=False, callbacks=[cb])
+    assert threads == {False}
+    assert cb.manager.all_steps() == steps
+    mngr = cc.CheckpointManager(ckdir, read_only=True)
+    progress = {s: mngr.restore(s)["progress"] for s in steps}
+    assert [(int(p["epoch"]), int(p["batch"]), int(p["global_step"])) for p in progress.values()] == [
+        (s // 8, s % 8, s) for s in steps]   # epoch ends: (next epoch, batch 0)
 
 
 def test_initial_value_threshold_bars_steps_from_best(ckdir):
