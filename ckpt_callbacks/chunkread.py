@@ -13,12 +13,13 @@ Example (what `restore.leaf_reader.read_boxes` does for a local array leaf)::
 
 The format's arrays are zarr3 with the ``bytes`` (little-endian, C order) and ``crc32c`` codecs
 (see writing.zarr_spec; local chunk files are written by `chunkwrite`, others by tensorstore): a
-chunk file is the chunk's raw bytes followed by their CRC-32C. For local files that layout lets a restore ``preadv`` each chunk into the very
-buffer its device will adopt, and check the CRC on it, with no intermediate buffer: on small
-machines fresh memory is the cost of a restore, and tensorstore's read path touches each byte's
-memory twice (its own read buffer, then ours). Chunks that several target shards share (a
-restore onto another mesh) are read once into a scratch buffer and split. Arrays with other
-codecs and object stores go through tensorstore (restore.leaf_reader.read_boxes).
+chunk file is the chunk's raw bytes followed by their CRC-32C. For local files that layout lets a
+restore ``preadv`` each chunk into the very buffer its device will adopt, and check the CRC on
+it, with no intermediate buffer: on small machines fresh memory is the cost of a restore, and
+tensorstore's read path touches each byte's memory twice (its own read buffer, then ours).
+Chunks that several target shards share (a restore onto another mesh) are read once into a
+scratch buffer and split. Arrays with other codecs and object stores go through tensorstore
+(restore.leaf_reader.read_boxes).
 
 Called by restore worker threads, on every process, for the boxes that process needs.
 """

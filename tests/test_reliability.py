@@ -225,6 +225,18 @@ def _failing(real, needle: str, err: int):
     return fn
 
 
+def _falls_back_or_unavailable(ckdir, key: str, falls_back: bool, match: str):
+    """restore(fallback=True) of `ckdir`, whose step 2 cannot be read: step 1 when step 2 is
+    damaged; otherwise StorageUnavailableError matching `match`, and nothing restored."""
+    with cc.CheckpointManager(ckdir, read_only=True) as m:
+        if falls_back:
+            assert np.asarray(m.restore(fallback=True)[key]).flat[0] == 1 and m.restored_step == 1
+        else:
+            with pytest.raises(cc.StorageUnavailableError, match=match):
+                m.restore(fallback=True)
+            assert m.restored_step is None
+
+
 @pytest.mark.parametrize("err,falls_back", [(errno.EACCES, False), (errno.ESTALE, False), (errno.ETIMEDOUT, False),
                                             (errno.EIO, True)])
 def test_unreadable_chunk_falls_back_only_when_the_data_is_bad(ckdir, monkeypatch, err, falls_back):
@@ -235,15 +247,10 @@ def test_unreadable_chunk_falls_back_only_when_the_data_is_bad(ckdir, monkeypatc
             m.save(s, {"w": np.full((400, 1000), s, np.float32)})   # one array leaf, one chunk file
     chunk = os.path.join(fmt.step_name(2), "arrays", "0", "c", "")
     monkeypatch.setattr(os, "open", _failing(os.open, chunk, err))
-    with cc.CheckpointManager(ckdir, read_only=True) as m:
-        if falls_back:
-            with pytest.raises(cc.CorruptCheckpointError, match=r"\['w'\]"):
-                m.restore()
-            assert m.restore(fallback=True)["w"][0, 0] == 1 and m.restored_step == 1
-        else:
-            with pytest.raises(cc.StorageUnavailableError, match=r"\['w'\].*not known to be damaged"):
-                m.restore(fallback=True)
-            assert m.restored_step is None
+    if falls_back:
+        with pytest.raises(cc.CorruptCheckpointError, match=r"\['w'\]"):
+            cc.CheckpointManager(ckdir, read_only=True).restore()
+    _falls_back_or_unavailable(ckdir, "w", falls_back, r"\['w'\].*not known to be damaged")
 
 
 @pytest.mark.parametrize("err,expected", [(errno.EACCES, cc.StorageUnavailableError),
@@ -256,13 +263,7 @@ def test_unreadable_manifest_is_unavailable_storage_or_damage_by_its_errno(ckdir
 
     monkeypatch.setattr(storage, "open", _failing(open, os.path.join(fmt.step_name(2), fmt.MANIFEST), err),
                         raising=False)
-    with cc.CheckpointManager(ckdir, read_only=True) as m:
-        if expected is cc.CorruptCheckpointError:
-            assert m.restore(fallback=True)["x"][0] == 1 and m.restored_step == 1
-        else:
-            with pytest.raises(expected, match="step_0000000002"):
-                m.restore(fallback=True)
-            assert m.restored_step is None
+    _falls_back_or_unavailable(ckdir, "x", expected is cc.CorruptCheckpointError, "step_0000000002")
 
 
 @pytest.mark.parametrize("err,expected", [(errno.EACCES, cc.StorageUnavailableError),
