@@ -173,16 +173,15 @@ class leaf_reader:
         if self.store.local:
             root = self.store.path(f"{self.base}/{rec['z']}")
             try:
-                keys = ts.KvStore.open(self.store.kvstore(f"{self.base}/{rec['z']}")).result().list().result()
-                keys = [k for k in keys if k == b"c" or k.startswith(b"c/")]   # a 0-d array's one chunk is "c"
+                kv = ts.KvStore.open(self.store.kvstore(f"{self.base}/{rec['z']}")).result()
+                keys = _chunk_keys(kv.list().result())
                 stored = sum(os.path.getsize(os.path.join(root, k.decode())) for k in keys)
             except (OSError, ValueError) as e:
                 raise read_failure(e, where, f"the chunk list of {rec['z']}", str(e),
                                    f"{where}: the chunks of {rec['z']} cannot be listed: {e}") from None
         else:  # list from the store's root: listing a sub-path gcs kvstore aborts tensorstore (std::out_of_range)
             base = f"{self.base}/{rec['z']}/"
-            keys = [k[len(base):].encode() for k in self.store._list(base + "c")]
-            keys = [k for k in keys if k == b"c" or k.startswith(b"c/")]
+            keys = _chunk_keys([k[len(base):].encode() for k in self.store._list(base + "c")])
         need = math.prod(-(-n // c) for n, c in zip(rec["sh"], rec["ch"])) if rec["sh"] else 1
         chunk_bytes = math.prod(rec["ch"]) * np.dtype(fmt.storage_dtype(rec["dt"])).itemsize
         if len(keys) != need or (stored is not None and stored < need * chunk_bytes):
@@ -218,6 +217,11 @@ class leaf_reader:
                     raise read_failure(e, where, rec["z"], detail,
                                        f"{where}: reading {rec['z']} failed (damaged or missing chunk): {detail}") from None
         return [out.view(fmt.logical_dtype(rec["dt"])) for out in outs]
+
+
+def _chunk_keys(keys: list) -> list:
+    """The chunk keys among the keys of an array's directory (a 0-d array's one chunk is "c")."""
+    return [k for k in keys if k == b"c" or k.startswith(b"c/")]
 
 
 def _aligned_empty(shape, dtype) -> np.ndarray:
