@@ -17,9 +17,12 @@ chunk file is the chunk's raw bytes followed by their CRC-32C. For local files t
 restore ``preadv`` each chunk into the very buffer its device will adopt, and check the CRC on
 it, with no intermediate buffer: on small machines fresh memory is the cost of a restore, and
 tensorstore's read path touches each byte's memory twice (its own read buffer, then ours).
-Chunks that several target shards share (a restore onto another mesh) are read once into a
-scratch buffer and split. Arrays with other codecs and object stores go through tensorstore
-(restore.leaf_reader.read_boxes).
+Chunks that several target shards share (a restore onto another mesh) are read once, ~1 MiB of
+rows at a time into a small buffer, and each band is checked into the running CRC and split
+among the shards while it is still in cache, so each byte is fetched from memory about as often
+as on a direct read. Destination buffers are 64-byte aligned (`aligned_empty`): the kernel's
+copy into a 16-byte-aligned numpy buffer runs at a third of the speed on some x86 CPUs. Arrays
+with other codecs and object stores go through tensorstore (restore.leaf_reader.read_boxes).
 
 Called by restore worker threads, on every process, for the boxes that process needs.
 """
@@ -46,29 +49,23 @@ def direct(arr) -> bool:
             and arr.chunk_layout.inner_order in (None, tuple(range(arr.rank))))
 
 
-def _read_exact(fd: int, bufs: list, nbytes: int, path: str, where: str) -> None:
-    done = 0
-    views = [memoryview(b).cast("B") for b in bufs]
-    while done < nbytes:
-        # skip what is already read; preadv may return short counts
-        skip, rest = done, []
-        for v in views:
-            if skip >= len(v):
-                skip -= len(v)
-                continue
-            rest.append(v[skip:])
-            skip = 0
-        got = os.preadv(fd, rest, done)
-        if got == 0:
-            raise CorruptCheckpointError(f"{where}: chunk file {path} is truncated", where)
-        done += got
+def aligned_empty(shape, dtype) -> np.ndarray:
+    """An uninitialised 64-byte-aligned host buffer: a CPU device adopts it without a copy, and
+    the kernel copies file data into it ~3x faster than into numpy's own 16-byte-aligned buffers
+    (``preadv`` from tmpfs on this project's AMD EPYC test machine; see docs/benchmarks.md)."""
+    dtype = np.dtype(dtype)
+    n = math.prod(shape) * dtype.itemsize
+    raw = np.empty(n + 64, np.uint8)
+    off = -raw.ctypes.data % 64
+    return raw[off:off + n].view(dtype).reshape(shape)
 
 
 def read_boxes(root: str, rec: dict, boxes: list, outs: list, where: str) -> None:
     """Fill each ``outs[k]`` (shape of ``boxes[k]``, storage dtype, C order) from the chunk files of
     array directory `root`. Each chunk any box touches is read once: straight into its box's
-    buffer when it lies whole and contiguous inside one box, else into a scratch buffer from which
-    every box it meets takes its part. Raises CorruptCheckpointError naming `where` for a missing,
+    buffer when it lies whole and contiguous inside one box, else band by band (`BAND_BYTES` of
+    its leading rows at a time) into a small buffer from which every box it meets takes its part
+    while the band is still in cache. Raises CorruptCheckpointError naming `where` for a missing,
     short or damaged chunk."""
     shape, chunks = rec["sh"], rec["ch"]
     users: dict = {}
@@ -77,8 +74,9 @@ def read_boxes(root: str, rec: dict, boxes: list, outs: list, where: str) -> Non
             users.setdefault(idx, []).append(k)
     if not users:
         return
-    chunk_bytes = math.prod(chunks) * outs[0].dtype.itemsize
-    scratch = None
+    dtype = outs[0].dtype
+    chunk_bytes = math.prod(chunks) * dtype.itemsize
+    band = None
     for idx in sorted(users):
         cbox = tuple((i * c, min((i + 1) * c, n)) for i, c, n in zip(idx, chunks, shape))
         parts = []   # (view of an out, slices of the chunk) for every box the chunk meets
@@ -86,22 +84,25 @@ def read_boxes(root: str, rec: dict, boxes: list, outs: list, where: str) -> Non
             inter = layout.intersect(cbox, boxes[k])
             view = outs[k][tuple(slice(a - lo, b - lo) for (a, b), (lo, _) in zip(inter, boxes[k])) + (Ellipsis,)]
             parts.append((view, tuple(slice(a - c0, b - c0) for (a, b), (c0, _) in zip(inter, cbox))))
-        view = parts[0][0]
-        direct = len(parts) == 1 and view.nbytes == chunk_bytes and view.flags.c_contiguous
-        if direct:   # straight into the destination
-            dest = view.reshape(-1).view(np.uint8)
-        else:        # an edge chunk, one shared by boxes or not contiguous in its box: via scratch
-            scratch = scratch if scratch is not None else np.empty(chunk_bytes, np.uint8)
-            dest = scratch
         path = os.path.join(root, fmt.chunk_key(idx))
-        _read_chunk(path, dest, chunk_bytes, where)
-        if not direct:
-            full = dest.view(outs[0].dtype).reshape(chunks)
-            for view, sl in parts:
-                view[...] = full[sl + (Ellipsis,)]
+        view = parts[0][0]
+        if len(parts) == 1 and view.nbytes == chunk_bytes and view.flags.c_contiguous:
+            _read_whole(path, view.reshape(-1).view(np.uint8), where)   # straight into the destination
+            continue
+        # an edge chunk, one shared by boxes or not contiguous in its box
+        if not chunks:   # 0-d, as one row
+            parts = [(v.reshape(1), (slice(0, 1),)) for v, _ in parts]
+        nrows = chunks[0] if chunks else 1
+        if band is None:
+            band = aligned_empty((max(1, BAND_BYTES * nrows // chunk_bytes),) + tuple(chunks[1:]), dtype)
+        _read_banded(path, band, parts, nrows, where)
 
 
-def _read_chunk(path: str, dest: np.ndarray, chunk_bytes: int, where: str) -> None:
+BAND_BYTES = 1 << 20   # banded reads: small enough to stay in cache between read, CRC and copies
+
+
+def _open(path: str, nbytes: int, where: str) -> int:
+    """An fd of chunk file `path`, checked to be a regular file of `nbytes` data + 4 CRC bytes."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except FileNotFoundError:
@@ -113,16 +114,72 @@ def _read_chunk(path: str, dest: np.ndarray, chunk_bytes: int, where: str) -> No
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise CorruptCheckpointError(f"{where}: chunk file {path} is not a regular file", where)
-        if st.st_size != chunk_bytes + 4:
+        if st.st_size != nbytes + 4:
             raise CorruptCheckpointError(f"{where}: chunk file {path} holds {st.st_size} bytes, "
-                                         f"expected {chunk_bytes + 4}", where)
-        tail = bytearray(4)
+                                         f"expected {nbytes + 4}", where)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _read_exact(fd: int, bufs: list, at: int, path: str, where: str) -> None:
+    """Fill `bufs` from offset `at` of the file (preadv may return short counts)."""
+    views = [memoryview(b).cast("B") for b in bufs]
+    nbytes, done = sum(len(v) for v in views), 0
+    while done < nbytes:
+        skip, rest = done, []   # skip what is already read
+        for v in views:
+            if skip >= len(v):
+                skip -= len(v)
+                continue
+            rest.append(v[skip:])
+            skip = 0
         try:
-            _read_exact(fd, [dest, tail], chunk_bytes + 4, path, where)
+            got = os.preadv(fd, rest, at + done)
         except OSError as e:
             raise read_failure(e, where, f"chunk file {path}", str(e),
                                f"{where}: reading chunk file {path} failed: {e}") from None
+        if got == 0:
+            raise CorruptCheckpointError(f"{where}: chunk file {path} is truncated", where)
+        done += got
+
+
+def _check(crc: int, tail: bytearray, path: str, where: str) -> None:
+    if crc != int.from_bytes(tail, "little"):
+        raise CorruptCheckpointError(f"{where}: checksum mismatch in chunk {path} (the data is damaged)", where)
+
+
+def _read_whole(path: str, dest: np.ndarray, where: str) -> None:
+    """One chunk into `dest` (its bytes, flat), then its CRC checked on `dest`."""
+    fd = _open(path, dest.nbytes, where)
+    tail = bytearray(4)
+    try:
+        _read_exact(fd, [dest, tail], 0, path, where)
     finally:
         os.close(fd)
-    if fmt.crc32c(dest) != int.from_bytes(tail, "little"):
-        raise CorruptCheckpointError(f"{where}: checksum mismatch in chunk {path} (the data is damaged)", where)
+    _check(fmt.crc32c(dest), tail, path, where)
+
+
+def _read_banded(path: str, band: np.ndarray, parts: list, nrows: int, where: str) -> None:
+    """One chunk of `nrows` leading rows, ``len(band)`` rows at a time into `band`: each band is
+    added to the CRC and copied to every (view, chunk slices) of `parts` before the next is read.
+    The CRC is checked at the end, so a damaged chunk may have been partly copied: the caller
+    discards its buffers on the error."""
+    row = band[0].nbytes
+    fd = _open(path, nrows * row, where)
+    crc, tail = 0, bytearray(4)
+    try:
+        for r0 in range(0, nrows, len(band)):
+            r1 = min(r0 + len(band), nrows)
+            got = band[:r1 - r0]
+            _read_exact(fd, [got], r0 * row, path, where)
+            crc = fmt.crc32c(got, crc)
+            for view, sl in parts:
+                a, b = max(sl[0].start, r0), min(sl[0].stop, r1)
+                if a < b:
+                    view[a - sl[0].start:b - sl[0].start] = got[(slice(a - r0, b - r0),) + sl[1:]]
+        _read_exact(fd, [tail], nrows * row, path, where)
+    finally:
+        os.close(fd)
+    _check(crc, tail, path, where)

@@ -61,9 +61,10 @@ def parse_step_name(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def crc32c(data) -> int:
-    """CRC-32C (Castagnoli, as zarr v3's crc32c codec) of any contiguous buffer, without copying it."""
-    return _crc32c.crc32c(data)
+def crc32c(data, crc: int = 0) -> int:
+    """CRC-32C (Castagnoli, as zarr v3's crc32c codec) of any contiguous buffer, without copying it;
+    `crc` continues a running one: ``crc32c(b, crc32c(a)) == crc32c(a + b)``."""
+    return _crc32c.crc32c(data, crc)
 
 
 def dtype_name(dtype) -> str:

@@ -109,12 +109,12 @@ class leaf_reader:
         array restored from it: keeping one small restored leaf keeps its blob (≤ 64 MiB)."""
         if not self.store.local:
             data = self.store.read(rel)
-            buf = _aligned_empty((len(data),), np.uint8)
+            buf = chunkread.aligned_empty((len(data),), np.uint8)
             buf[:] = np.frombuffer(data, np.uint8)
             return buf
         with open(self.store.path(rel), "rb") as f:
             size = os.fstat(f.fileno()).st_size
-            buf = _aligned_empty((size,), np.uint8)
+            buf = chunkread.aligned_empty((size,), np.uint8)
             if f.readinto(memoryview(buf)) != size:
                 raise ValueError("it changed size while being read")
         return buf
@@ -205,7 +205,7 @@ class leaf_reader:
         # boxes that cut through chunks share them: tensorstore's chunk cache reads each once
         arr = self.array(rec, cache_bytes=min(nbytes, CHUNK_CACHE_BYTES) if shared else 0)
         # allocated only once the stored chunks are known to hold the declared shape
-        outs = [_aligned_empty(layout.box_shape(b), fmt.storage_dtype(rec["dt"])) for b in boxes]
+        outs = [chunkread.aligned_empty(layout.box_shape(b), fmt.storage_dtype(rec["dt"])) for b in boxes]
         if self.store.local and chunkread.direct(arr):
             chunkread.read_boxes(self.store.path(f"{self.base}/{rec['z']}"), rec, boxes, outs, where)
         else:
@@ -222,15 +222,6 @@ class leaf_reader:
 def _chunk_keys(keys: list) -> list:
     """The chunk keys among the keys of an array's directory (a 0-d array's one chunk is "c")."""
     return [k for k in keys if k == b"c" or k.startswith(b"c/")]
-
-
-def _aligned_empty(shape, dtype) -> np.ndarray:
-    """An uninitialised host buffer a CPU device can adopt without a copy (64-byte aligned)."""
-    dtype = np.dtype(dtype)
-    n = math.prod(shape) * dtype.itemsize
-    raw = np.empty(n + 64, np.uint8)
-    off = -raw.ctypes.data % 64
-    return raw[off:off + n].view(dtype).reshape(shape)
 
 
 def _host_value(rec: dict, data: np.ndarray):

@@ -10,8 +10,9 @@ import tensorstore as ts
 
 from ckpt_callbacks import chunkread
 from ckpt_callbacks import format as fmt
+from ckpt_callbacks import layout
 from ckpt_callbacks.errors import CorruptCheckpointError
-from ckpt_callbacks.restore import _aligned_empty
+from ckpt_callbacks.chunkread import aligned_empty
 from ckpt_callbacks.storage import open_store
 from ckpt_callbacks.writing import zarr_spec
 from helpers import random_array
@@ -50,7 +51,7 @@ def test_direct_reads_match_tensorstore_for_every_aligned_box(tmp_path, shape, c
     root, rec, x, arr = write(tmp_path, shape, chunks, dtype)
     assert chunkread.direct(arr)
     for box in aligned_boxes(shape, chunks)[:60]:
-        out = _aligned_empty(tuple(b - a for a, b in box), np.dtype(dtype))
+        out = aligned_empty(tuple(b - a for a, b in box), np.dtype(dtype))
         chunkread.read_boxes(root, rec, [box], [out], "['x']")
         want = arr[tuple(slice(a, b) for a, b in box)].read().result()
         assert out.tobytes() == np.asarray(want).tobytes(), box
@@ -85,12 +86,12 @@ def test_damaged_chunk_is_refused_with_the_key_path(tmp_path, damage):
         os.remove(path)
     elif damage != "keep":
         open(path, "wb").write(bytes(data))
-    out = _aligned_empty((64, 48), np.float32)
+    out = aligned_empty((64, 48), np.float32)
     with pytest.raises(CorruptCheckpointError, match=r"\['params'\]\['w'\]") as e:
         chunkread.read_boxes(root, rec, [((0, 64), (0, 48))], [out], "['params']['w']")
     assert e.value.key_path == "['params']['w']"
     # the chunks that are intact still read, box by box
-    good = _aligned_empty((16, 48), np.float32)
+    good = aligned_empty((16, 48), np.float32)
     chunkread.read_boxes(root, rec, [((0, 16), (0, 48))], [good], "['params']['w']")
     np.testing.assert_array_equal(good, x[:16])
 
@@ -113,7 +114,7 @@ def test_storage_dtype_of_exotic_dtypes_reads_bit_exactly(tmp_path):
     rec = {"sh": [32, 16], "ch": [8, 16], "dt": "bfloat16"}
     arr = ts.open(zarr_spec(store, "b", rec), create=True).result()
     arr.write(x.view(fmt.storage_dtype("bfloat16"))).result()
-    out = _aligned_empty((16, 16), fmt.storage_dtype("bfloat16"))
+    out = aligned_empty((16, 16), fmt.storage_dtype("bfloat16"))
     chunkread.read_boxes(store.path("b"), rec, [((8, 24), (0, 16))], [out], "['b']")
     assert out.view(x.dtype).tobytes() == x[8:24].tobytes()
 
@@ -124,7 +125,7 @@ def test_boxes_that_cut_chunks_read_each_chunk_once(tmp_path, rows, cols):
     from helpers import bytes_read
     root, rec, x, _ = write(tmp_path, (64, 48), (16, 16), "float32")
     boxes = [((r0, r1), (c0, c1)) for r0, r1 in zip(rows, rows[1:]) for c0, c1 in zip(cols, cols[1:])]
-    outs = [_aligned_empty((r1 - r0, c1 - c0), np.float32) for (r0, r1), (c0, c1) in boxes]
+    outs = [aligned_empty((r1 - r0, c1 - c0), np.float32) for (r0, r1), (c0, c1) in boxes]
     before = bytes_read()
     chunkread.read_boxes(root, rec, boxes, outs, "['x']")
     got = bytes_read() - before
@@ -133,41 +134,55 @@ def test_boxes_that_cut_chunks_read_each_chunk_once(tmp_path, rows, cols):
         np.testing.assert_array_equal(out, x[r0:r1, c0:c1])
 
 
+@pytest.fixture(params=[1, 192, 1 << 20], ids=["band=1row", "band=192B", "band=1MiB"])
+def band(request, monkeypatch):
+    """Shared chunks are read in bands of BAND_BYTES: one row, a few rows that do not divide the
+    chunk (3 rows of a 16-row float32 chunk of 16 columns), or the whole chunk at once."""
+    monkeypatch.setattr(chunkread, "BAND_BYTES", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("shape,chunks,dtype", [((64, 48), (16, 16), "float32"), ((50, 30), (16, 16), "float64"),
                                                 ((7, 5, 3), (2, 5, 3), "uint8"), ((33,), (8,), "bool"),
                                                 ((6, 1000), (3, 1000), "int32")])
-def test_chunks_split_between_boxes_match_tensorstore(tmp_path, shape, chunks, dtype):
+def test_chunks_split_between_boxes_match_tensorstore(tmp_path, shape, chunks, dtype, band):
     root, rec, x, arr = write(tmp_path, shape, chunks, dtype)
     # boxes that cut every chunk in every dimension: halves of each chunk, plus a box spanning chunks
     cuts = [sorted({0, n} | {min(n, i + max(1, c // 2)) for i in range(0, n, c)} | set(range(0, n, c)))
             for n, c in zip(shape, chunks)]
     boxes = list(itertools.product(*[list(zip(cs, cs[1:])) for cs in cuts]))
     boxes.append(tuple((n // 3, n) for n in shape))   # overlaps the others
-    outs = [_aligned_empty(tuple(b - a for a, b in box), np.dtype(dtype)) for box in boxes]
+    outs = [aligned_empty(tuple(b - a for a, b in box), np.dtype(dtype)) for box in boxes]
     chunkread.read_boxes(root, rec, boxes, outs, "['x']")
     for box, out in zip(boxes, outs):
         assert out.tobytes() == x[tuple(slice(a, b) for a, b in box)].tobytes(), box
 
 
-def test_a_box_listed_twice_gets_the_whole_chunk_both_times(tmp_path):
-    root, rec, x, _ = write(tmp_path, (32, 16), (16, 16), "int16")
-    boxes = [((0, 16), (0, 16)), ((0, 16), (0, 16))]
-    outs = [_aligned_empty((16, 16), np.int16) for _ in boxes]
-    chunkread.read_boxes(root, rec, boxes, outs, "['x']")
+@pytest.mark.parametrize("shape,chunks,box", [((32, 16), (16, 16), ((0, 16), (0, 16))), ((), (), ())])
+def test_a_box_listed_twice_gets_the_whole_chunk_both_times(tmp_path, shape, chunks, box, band):
+    root, rec, x, _ = write(tmp_path, shape, chunks, "int16")
+    outs = [aligned_empty(layout.box_shape(box), np.int16) for _ in range(2)]
+    chunkread.read_boxes(root, rec, [box, box], outs, "['x']")
     for out in outs:
-        np.testing.assert_array_equal(out, x[:16])
+        np.testing.assert_array_equal(out, x[tuple(slice(a, b) for a, b in box)])
+
+
+def test_buffers_are_64_byte_aligned():
+    for shape, dtype in [((3,), np.uint8), ((5, 7), np.float64), ((), np.int32), ((1 << 20,), np.float32)]:
+        out = aligned_empty(shape, dtype)
+        assert out.ctypes.data % 64 == 0 and out.shape == shape and out.dtype == dtype and out.flags.c_contiguous
 
 
 @pytest.mark.parametrize("byte", [0, 700, 1023])   # first, middle and last byte of the chunk's data
-def test_damage_in_a_chunk_shared_by_boxes_is_refused(tmp_path, byte):
+def test_damage_in_a_chunk_shared_by_boxes_is_refused(tmp_path, byte, band):
     root, rec, x, _ = write(tmp_path, (64, 48), (16, 16), "float32")
     path = _chunk(root, 1, 2)
     data = bytearray(open(path, "rb").read())
     data[byte] ^= 0x40
     open(path, "wb").write(bytes(data))
     boxes = [((16, 24), (32, 48)), ((24, 32), (32, 40)), ((24, 32), (40, 48))]   # three boxes share it
-    outs = [_aligned_empty((8, 16), np.float32), _aligned_empty((8, 8), np.float32),
-            _aligned_empty((8, 8), np.float32)]
+    outs = [aligned_empty((8, 16), np.float32), aligned_empty((8, 8), np.float32),
+            aligned_empty((8, 8), np.float32)]
     with pytest.raises(CorruptCheckpointError, match="checksum mismatch") as e:
         chunkread.read_boxes(root, rec, boxes, outs, "['params']['w']")
     assert e.value.key_path == "['params']['w']"
@@ -182,6 +197,6 @@ def test_shared_chunk_with_a_wrong_size_or_missing_is_refused(tmp_path, damage):
     else:
         data = open(path, "rb").read()
         open(path, "wb").write(data[:-8] if damage == "truncate" else data + b"\0")
-    out = _aligned_empty((8, 8), np.float32)
+    out = aligned_empty((8, 8), np.float32)
     with pytest.raises(CorruptCheckpointError, match=r"\['w'\]"):
         chunkread.read_boxes(root, rec, [((4, 12), (4, 12))], [out], "['w']")
