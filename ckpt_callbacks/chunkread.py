@@ -173,8 +173,9 @@ def _read_banded(path: str, band: np.ndarray, parts: list, nrows: int, where: st
         for r0 in range(0, nrows, len(band)):
             r1 = min(r0 + len(band), nrows)
             got = band[:r1 - r0]
-            _read_exact(fd, [got], r0 * row, path, where)
-            crc = fmt.crc32c(got, crc)
+            raw = got.reshape(-1).view(np.uint8)   # the buffer protocol refuses some dtypes (bfloat16)
+            _read_exact(fd, [raw], r0 * row, path, where)
+            crc = fmt.crc32c(raw, crc)
             for view, sl in parts:
                 a, b = max(sl[0].start, r0), min(sl[0].stop, r1)
                 if a < b:

@@ -144,7 +144,7 @@ def band(request, monkeypatch):
 
 @pytest.mark.parametrize("shape,chunks,dtype", [((64, 48), (16, 16), "float32"), ((50, 30), (16, 16), "float64"),
                                                 ((7, 5, 3), (2, 5, 3), "uint8"), ((33,), (8,), "bool"),
-                                                ((6, 1000), (3, 1000), "int32")])
+                                                ((6, 1000), (3, 1000), "int32"), ((20, 6), (8, 6), "bfloat16")])
 def test_chunks_split_between_boxes_match_tensorstore(tmp_path, shape, chunks, dtype, band):
     root, rec, x, arr = write(tmp_path, shape, chunks, dtype)
     # boxes that cut every chunk in every dimension: halves of each chunk, plus a box spanning chunks
