@@ -6,7 +6,6 @@ import collections
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 

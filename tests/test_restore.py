@@ -129,7 +129,6 @@ def test_restoring_one_device_slice_reads_one_eighth(ckdir):
     store = open_store(ckdir)
     reader = restore_mod.leaf_reader(store, 1, restore_mod.read_manifest(store, 1))
     rec = reader.m["leaves"][0]
-    arr = reader.array(rec)
     before = bytes_read()
     part = reader.read_box(rec, ((256, 512), (0, 1024)))
     got = bytes_read() - before
@@ -203,7 +202,6 @@ def test_missing_checkpoint_and_unknown_version(ckdir, tmp_path):
     with pytest.raises(cc.CheckpointNotFoundError):
         cc.CheckpointManager(str(tmp_path / "nothing"), read_only=True).restore(step=3)
     import msgpack
-    from ckpt_callbacks import format as fmt
     save(ckdir, {"a": 1})
     man = os.path.join(ckdir, "step_0000000001", "manifest.msgpack")
     outer = msgpack.unpackb(open(man, "rb").read())
