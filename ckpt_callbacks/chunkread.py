@@ -94,7 +94,8 @@ def read_boxes(root: str, rec: dict, boxes: list, outs: list, where: str) -> Non
             parts = [(v.reshape(1), (slice(0, 1),)) for v, _ in parts]
         nrows = chunks[0] if chunks else 1
         if band is None:
-            band = aligned_empty((max(1, BAND_BYTES * nrows // chunk_bytes),) + tuple(chunks[1:]), dtype)
+            rows = min(nrows, max(1, BAND_BYTES * nrows // chunk_bytes))   # never more than a chunk
+            band = aligned_empty((rows,) + tuple(chunks[1:]), dtype)
         _read_banded(path, band, parts, nrows, where)
 
 
