@@ -27,6 +27,7 @@ process writes; a failure (disk full, I/O error) propagates and fails the save.
 from __future__ import annotations
 
 import os
+import stat
 import sys
 
 import numpy as np
@@ -56,14 +57,19 @@ def pieces(rec: dict, box, data: np.ndarray) -> list | None:
     return out
 
 
-def write_chunk(path: str, view: np.ndarray, sync: bool = True) -> None:
+def write_chunk(path: str, view: np.ndarray, sync: bool = True, claim=None) -> None:
     """Create the chunk file at `path` (and its directory) holding `view`'s bytes and their
     CRC-32C; fsync it when `sync` (the writer fsyncs on other threads, so that writing goes on
-    meanwhile; directories are fsynced with the whole staging tree at commit)."""
+    meanwhile; directories are fsynced with the whole staging tree at commit). `claim` (e.g.
+    `LocalStore.claim`) may hand over a deleted step's chunk file of the same size: it is moved to
+    `path` and overwritten in place, unless it is no longer a plain file with one link (a hard
+    link elsewhere, e.g. a backup, is never written through)."""
     raw = memoryview(view.reshape(-1).view(np.uint8))
     bufs = [raw, fmt.crc32c(raw).to_bytes(4, "little")]
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    fd = _reuse(path, len(raw) + 4, claim) if claim is not None else None
+    if fd is None:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         left = len(raw) + 4
         while left:
@@ -80,3 +86,30 @@ def write_chunk(path: str, view: np.ndarray, sync: bool = True) -> None:
             os.fsync(fd)   # an error here aborts the save: never retried
     finally:
         os.close(fd)
+
+
+def _reuse(path: str, nbytes: int, claim) -> int | None:
+    """An fd open for writing on a claimed file of `nbytes` moved to `path`, or None (then `path`
+    does not exist)."""
+    old = claim(nbytes)
+    if old is None:
+        return None
+    try:
+        os.rename(old, path)
+        fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW)
+    except OSError:
+        _unlink(path)
+        return None
+    st = os.fstat(fd)
+    if stat.S_ISREG(st.st_mode) and st.st_nlink == 1 and st.st_size == nbytes:
+        return fd
+    os.close(fd)
+    _unlink(path)
+    return None
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass

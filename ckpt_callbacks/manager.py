@@ -213,10 +213,13 @@ class CheckpointManager:
         deleted, err = [], None
         if self.coord.process_index == 0:
             try:
+                # the chunk files of steps deleted after the previous save were there for this
+                # save to overwrite (storage.LocalStore.claim); what it did not take goes now
+                self.store.drop_reusable()
                 infos = self._step_infos()
                 keep = decide(self.policies, infos)
                 for s in sorted(i.step for i in infos if i.step not in keep):
-                    self.store.delete(s)
+                    self.store.delete(s, reuse=True)
                     deleted.append(s)
             except StorageUnavailableError as e:   # nothing is lost by waiting: tried again after the next save
                 log.warning("ckpt_callbacks: retention after step %d skipped (storage unavailable): %s", stats.step, e)
@@ -261,7 +264,10 @@ class CheckpointManager:
 
     def wait_until_finished(self) -> None:
         """Wait for the save in flight and its retention deletions; re-raise a background failure."""
-        self._wait()
+        try:
+            self._wait()
+        finally:
+            self.store.drop_reusable()
 
     @property
     def last_stats(self) -> SaveStats | None:
@@ -426,6 +432,7 @@ class CheckpointManager:
             self._wait()
         finally:
             self._closed = True
+            self.store.drop_reusable()
             if self._locked:
                 lock.release(self.store.root)
                 self._locked = False

@@ -251,7 +251,7 @@ class ObjectStore(Store):
         if token is not None and (self._record(staging) or {}).get("token") == token:
             self._delete_key(PENDING + staging)
 
-    def delete(self, step: int) -> None:
+    def delete(self, step: int, reuse: bool = False) -> None:   # objects are never reused
         """Retention: record the deletion, remove the marker (the step is gone for readers), then its bytes."""
         name = fmt.step_name(step)
         self._claim(name, "delete", "del-" + os.urandom(6).hex())

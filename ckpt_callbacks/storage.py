@@ -17,7 +17,9 @@ Who calls what, in order, for one save (process 0 unless said otherwise):
      that the pending record is still this save's, then write the commit marker ``commits/step_N``
      last. Only then is the step visible to ``committed_steps``. A failed save calls ``abort``.
 Deletion (``delete``) hides the step first (rename to ``.del-``, or marker removed first), then removes
-its bytes, so a half-deleted step is never seen as committed. ``leftovers`` lists only names this
+its bytes, so a half-deleted step is never seen as committed. ``delete(reuse=True)`` (the manager's
+retention, local stores) keeps the hidden step's chunk files for the next save's writers to `claim`
+and overwrite in place; ``drop_reusable`` removes what they left. ``leftovers`` lists only names this
 package creates (``step_N.tmp-*``, ``step_N.del-*``; object stores: steps whose pending record
 belongs to no live save), and ``remove`` deletes one. Messages never contain an endpoint or a
 credential (``redact``/``scrub``); see docs/storage.md for URLs, credentials and atomicity.
@@ -28,6 +30,8 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import shutil
+import stat
+import threading
 import urllib.parse
 
 from . import format as fmt
@@ -68,8 +72,17 @@ class Store:
     def publish(self, staging: str, step: int, replace: bool = False) -> None:
         raise NotImplementedError
 
-    def delete(self, step: int) -> None:
+    def delete(self, step: int, reuse: bool = False) -> None:
+        """Delete a committed step. With `reuse` a backend may keep its chunk files, hidden, for
+        `claim` by the next save instead (LocalStore); `drop_reusable` deletes what is left."""
         raise NotImplementedError
+
+    def claim(self, nbytes: int) -> str | None:
+        """The absolute path of a kept chunk file of exactly `nbytes`, now the caller's, or None."""
+        return None
+
+    def drop_reusable(self) -> None:
+        """Delete the files kept by ``delete(reuse=True)`` that no save claimed."""
 
     def leftovers(self) -> list[str]:
         raise NotImplementedError
@@ -121,6 +134,9 @@ class LocalStore(Store):
     def __init__(self, root: str):
         self.root = os.path.abspath(root)
         self.url = self.root
+        self._kept: list[str] = []              # hidden (.del-) step directories kept for reuse
+        self._pool: dict[int, list[str]] = {}   # their chunk files by size
+        self._pool_lock = threading.Lock()
 
     def path(self, rel: str) -> str:
         return os.path.join(self.root, rel)
@@ -225,14 +241,40 @@ class LocalStore(Store):
             _fsync_path(self.root, directory=True)
         return back
 
-    def delete(self, step: int) -> None:
+    def delete(self, step: int, reuse: bool = False) -> None:
         hidden = f"{fmt.step_name(step)}.del-{os.urandom(6).hex()}"
         try:
             os.rename(self.path(fmt.step_name(step)), self.path(hidden))
         except FileNotFoundError:
             return
         _fsync_path(self.root, directory=True)
-        shutil.rmtree(self.path(hidden), ignore_errors=True)
+        if not reuse:
+            shutil.rmtree(self.path(hidden), ignore_errors=True)
+            return
+        # Kept for the next save to overwrite in place: the page cache pages (and on disk, the
+        # blocks) are neither freed now nor allocated again then. Only plain chunk files.
+        found = []
+        for dirpath, _, names in os.walk(self.path(f"{hidden}/arrays")):
+            for name in names:
+                path = os.path.join(dirpath, name)
+                st = os.lstat(path)
+                if name != "zarr.json" and stat.S_ISREG(st.st_mode) and st.st_nlink == 1:
+                    found.append((st.st_size, path))
+        with self._pool_lock:
+            self._kept.append(hidden)
+            for size, path in found:
+                self._pool.setdefault(size, []).append(path)
+
+    def claim(self, nbytes: int) -> str | None:
+        with self._pool_lock:
+            paths = self._pool.get(nbytes)
+            return paths.pop() if paths else None
+
+    def drop_reusable(self) -> None:
+        with self._pool_lock:
+            kept, self._kept, self._pool = self._kept, [], {}
+        for hidden in kept:
+            shutil.rmtree(self.path(hidden), ignore_errors=True)
 
     def leftovers(self) -> list[str]:
         try:

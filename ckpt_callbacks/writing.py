@@ -268,7 +268,7 @@ def _consume(store, staging, snap, items, arrays, budget):
 
     def write_direct(rels, views):
         for rel, view in zip(rels, views):
-            chunkwrite.write_chunk(store.path(rel), view, sync=False)   # `early` fsyncs them
+            chunkwrite.write_chunk(store.path(rel), view, sync=False, claim=store.claim)   # `early` fsyncs them
 
     def flush():
         nonlocal blob, blob_leaves, blob_bytes, nblob, written, files

@@ -89,3 +89,33 @@ def test_a_save_writes_native_arrays_directly_and_the_rest_through_tensorstore(c
         direct[z] = direct.get(z, 0) + 1
     assert set(arrays) == {"w", "flags", "be", "np"}      # all stored as zarr arrays, none packed
     assert direct == {arrays["w"]: 8, arrays["np"]: 1}   # every shard of "w"; neither "flags" nor "be"
+
+
+@pytest.mark.parametrize("offer", ["same size", "other size", "symlink", "hard link", "gone"])
+def test_a_claimed_file_is_overwritten_in_place_only_when_safe(tmp_path, offer):
+    x = random_array((64, 32), "float32", 1)
+    expected = x.tobytes() + fmt.crc32c(x).to_bytes(4, "little")
+    old = str(tmp_path / "old")
+    target = str(tmp_path / "target")   # what a symlink points at: must stay untouched
+    open(target, "wb").write(b"\1" * len(expected))
+    if offer == "symlink":
+        os.symlink(target, old)
+    elif offer != "gone":
+        open(old, "wb").write(b"\0" * (len(expected) + (offer == "other size")))
+    if offer == "hard link":
+        os.link(old, str(tmp_path / "backup"))
+    held = os.open(old, os.O_RDONLY) if offer in ("same size", "other size", "hard link") else None
+    before = os.pread(held, 1 << 20, 0) if held is not None else None
+    asked = []
+    path = str(tmp_path / "step" / "c" / "0")
+    chunkwrite.write_chunk(path, x, claim=lambda n: asked.append(n) or old)
+    assert asked == [len(expected)]
+    assert open(path, "rb").read() == expected and not os.path.islink(path) and not os.path.exists(old)
+    assert open(target, "rb").read() == b"\1" * len(expected)   # a symlink is never followed
+    if held is not None:   # the offered file: overwritten in place only when it was safe
+        reused = os.fstat(held).st_ino == os.stat(path).st_ino
+        assert reused == (offer == "same size")
+        assert (os.pread(held, 1 << 20, 0) == before) == (not reused)
+        os.close(held)
+    if offer == "hard link":
+        assert open(str(tmp_path / "backup"), "rb").read() == b"\0" * len(expected)

@@ -184,3 +184,82 @@ def test_a_second_writer_in_the_same_process_is_refused(ckdir):
     m.close()
     with cc.CheckpointManager(ckdir) as m2:          # once closed, the directory can be reopened
         assert m2.all_steps() == [1]
+
+
+def _chunk_inodes(ckdir, step) -> dict:
+    """{path under the step: inode} of the step's chunk files."""
+    top = os.path.join(ckdir, fmt.step_name(step))
+    out = {}
+    for dirpath, _, names in os.walk(os.path.join(top, "arrays")):
+        for n in names:
+            if n != "zarr.json":
+                p = os.path.join(dirpath, n)
+                out[os.path.relpath(p, top)] = os.stat(p).st_ino
+    return out
+
+
+def _big_tree(k):   # two arrays over the 1 MiB packing limit: written as chunk files
+    rng = np.random.default_rng(k)
+    return {"w": rng.standard_normal((1024, 384)).astype(np.float32),
+            "m": rng.standard_normal((512, 640)).astype(np.float32), "step": k}
+
+
+def test_deleted_steps_chunk_files_are_overwritten_by_the_next_save_and_restore_exactly(ckdir):
+    # KeepLast(2): saving step 3 deletes step 1, whose chunk files step 4 then takes over (the
+    # page cache pages and disk blocks are reused, not freed and allocated again)
+    m = cc.CheckpointManager(ckdir, retention=cc.KeepLast(2))
+    inodes = {}
+    for k in range(1, 7):
+        m.save(k, _big_tree(k))
+        m._wait()   # as the next save() does: the kept files survive until that save
+        inodes[k] = _chunk_inodes(ckdir, k)
+    assert m.all_steps() == [5, 6]
+    for k in (4, 5, 6):   # step k took over the files of step k - 3
+        assert inodes[k] == inodes[k - 3] and inodes[k]
+    for k in (5, 6):
+        got = m.restore(step=k)
+        for name in ("w", "m"):
+            np.testing.assert_array_equal(got[name], _big_tree(k)[name])
+    hidden = [n for n in os.listdir(ckdir) if ".del-" in n]
+    assert hidden   # step 4's files wait for a save that never comes ...
+    m.wait_until_finished()
+    assert [n for n in os.listdir(ckdir) if ".del-" in n] == []   # ... until the caller waits
+    m.close()
+
+
+def test_a_hard_linked_chunk_file_of_a_deleted_step_is_never_written_through(ckdir, tmp_path):
+    m = cc.CheckpointManager(ckdir, retention=cc.KeepLast(1))
+    m.save(1, _big_tree(1))
+    m._wait()
+    backup = {}
+    for rel in _chunk_inodes(ckdir, 1):   # e.g. `cp -al` of a step someone wants to keep
+        dst = str(tmp_path / rel.replace(os.sep, "_"))
+        os.link(os.path.join(ckdir, fmt.step_name(1), rel), dst)
+        backup[dst] = open(dst, "rb").read()
+    for k in (2, 3):
+        m.save(k, _big_tree(k))
+        m._wait()
+    for dst, data in backup.items():
+        assert open(dst, "rb").read() == data
+    got = m.restore(step=3)
+    np.testing.assert_array_equal(got["w"], _big_tree(3)["w"])
+    m.close()
+    assert [n for n in os.listdir(ckdir) if ".del-" in n] == []
+
+
+def test_files_of_another_size_are_not_reused_and_are_deleted(ckdir):
+    m = cc.CheckpointManager(ckdir, retention=cc.KeepLast(1))
+    m.save(1, _big_tree(1))
+    m._wait()
+    old = set(_chunk_inodes(ckdir, 1).values())
+    bigger = {"w": np.ones((1024, 512), np.float32), "m": np.full((512, 700), 2, np.float32), "step": 2}
+    m.save(2, bigger)   # deletes step 1 and keeps its files
+    m._wait()
+    m.save(3, bigger)   # nothing of step 1's files fits: all fresh, step 1's files dropped
+    m._wait()
+    assert not old & set(_chunk_inodes(ckdir, 3).values())
+    kept = [n for n in os.listdir(ckdir) if ".del-" in n]
+    assert len(kept) == 1 and kept[0].startswith(fmt.step_name(2))   # step 1's went; step 2's wait
+    got = m.restore(step=3)
+    np.testing.assert_array_equal(got["m"], bigger["m"])
+    m.close()
