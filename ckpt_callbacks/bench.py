@@ -70,6 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cold: evict the checkpoint's pages before each restore (default)")
     p.add_argument("--leak-saves", type=int, default=100, help="consecutive saves in the memory workload")
     p.add_argument("--fit-epochs", type=int, default=5, help="epochs per fit in the fit workload")
+    p.add_argument("--fit-repeats", type=int, default=7,
+                   help="rounds of the fit workload (each fits once per callback; the best is reported)")
     p.add_argument("--slow-s", type=float, default=30.0, help="do not repeat a save slower than this")
     p.add_argument("--json", action="store_true", help="print the results as JSON instead of tables")
     p.add_argument("--output", help="also write the JSON results to this file")
@@ -101,7 +103,8 @@ def _context(args, root: str, storage: str):
     from .bench_workloads import Context
     return Context(root=root, storage=storage, scale=args.scale, repeats=max(1, args.repeats),
                    peers=tuple(args.peers), cache=args.cache, slow_s=args.slow_s,
-                   leak_saves=args.leak_saves, fit_epochs=args.fit_epochs)
+                   leak_saves=args.leak_saves, fit_epochs=args.fit_epochs,
+                   fit_repeats=max(1, args.fit_repeats))
 
 
 def _run_child(args) -> int:

@@ -4,7 +4,7 @@ every epoch, per checkpoint callback, against the same fit without one.
 Example::
 
     from ckpt_callbacks import bench_fit, bench_workloads as bw
-    rows = bench_fit.run(bw.Context(root="/dev/shm/b", storage="tmpfs", scale=0.01, repeats=1), bw._row)
+    rows = bench_fit.run(bw.Context(root="/dev/shm/b", storage="tmpfs", scale=0.01, fit_repeats=1), bw._row)
 
 Who calls what: `bench_workloads.run_fit` on the main thread of a bench process. Keras is imported
 here, lazily, with ``KERAS_BACKEND=jax`` (a Keras already imported on another backend, or a missing
@@ -13,8 +13,10 @@ here, lazily, with ``KERAS_BACKEND=jax`` (a Keras already imported on another ba
 ``.keras`` file with the optimizer, overwritten each epoch) and ``keras.callbacks.OrbaxCheckpoint``
 (max_to_keep=2) where present. Each variant builds the same model, warms up (compiles) on a few
 batches without a callback, then `fit` runs ``fit_epochs`` epochs into a fresh directory; the
-timed span includes `on_train_end` (which waits for the last save). Rounds alternate the variants
-so noise hits them alike; the best of ``repeats`` rounds is kept.
+timed span includes `on_train_end` (which waits for the last save). ``fit_repeats`` rounds (7 by
+default: on this project's 2-vCPU VM a single fit varies by 10 % and more) run the variants in
+turn, every other round in reverse order, so noise and drift hit them alike; the best of the
+rounds is kept for each variant, and every round's time is in ``samples``.
 """
 
 from __future__ import annotations
@@ -77,8 +79,8 @@ def run(ctx, row) -> list:
     times: dict = {v: [] for v in VARIANTS}
     skipped: dict = {}
     state_bytes = files = 0
-    for r in range(ctx.repeats):
-        for v in VARIANTS:
+    for r in range(ctx.fit_repeats):
+        for v in (VARIANTS if r % 2 == 0 else VARIANTS[::-1]):
             if v in skipped:
                 continue
             d = os.path.join(ctx.root, f"fit-{v}-{r}")

@@ -50,6 +50,7 @@ class Context:
     slow_s: float = 30.0           # a peer whose save takes longer is not repeated
     leak_saves: int = 100
     fit_epochs: int = 5
+    fit_repeats: int = 7           # a fit is ~2.5 s and its noise is a few %: more rounds than saves
     log: object = None
 
     def say(self, msg: str) -> None:

@@ -101,6 +101,7 @@ class CheckpointManager:
         self._infos: dict[int, StepInfo] = {}
         self.restored_step: int | None = None   # the step the last restore() read
         self._thread: threading.Thread | None = None
+        self._pool = snapshot.HostPool()   # warm buffers for the copies of host-side leaves
         self._error: BaseException | None = None
         self._closed = False
         self._locked = False
@@ -149,6 +150,7 @@ class CheckpointManager:
             return False
         metrics = _check_metrics(metrics)
         self._wait()
+        self._pool.recycle()   # the previous save's writer is joined: its copies are free again
         if step in self.all_steps() and not force:
             log.warning("ckpt_callbacks: step %d is already committed in %s; not saving it again "
                         "(pass force=True to replace it)", step, self.store.url)
@@ -193,7 +195,7 @@ class CheckpointManager:
         self._thread = threading.Thread(target=run, name=f"ckpt_callbacks-save-{step}", daemon=True)
         self._thread.start()
         try:
-            snapshot.copy(snap, items.put, budget)
+            snapshot.copy(snap, items.put, budget, self._pool)
         except BaseException as e:
             items.put(("abort", e))
             items.put(None)
@@ -432,6 +434,7 @@ class CheckpointManager:
             self._wait()
         finally:
             self._closed = True
+            self._pool.clear()
             self.store.drop_reusable()
             if self._locked:
                 lock.release(self.store.root)

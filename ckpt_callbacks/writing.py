@@ -317,9 +317,10 @@ def _consume(store, staging, snap, items, arrays, budget):
             else:
                 rels = [f"{staging}/{rec['z']}/{fmt.chunk_key(idx)}"
                         for idx in layout.chunks_of(w.box, rec["ch"])] if early else []
-                # the copy is ours and never changes: tensorstore may keep it instead of copying it again
+                # the copy is ours and never changes (unless a later save reuses its pooled
+                # buffer): tensorstore may then keep it instead of copying it again
                 fut = arrays[w.leaf][tuple(slice(a, b) for a, b in w.box)].write(
-                    data, can_reference_source_data_indefinitely=True)
+                    data, can_reference_source_data_indefinitely=not snap.pooled)
             if early:
                 fut.add_done_callback(early.after(rels))
             if budget:

@@ -13,7 +13,7 @@ from ckpt_callbacks import bench
 from ckpt_callbacks.bench_report import render, targets
 
 PEERS = ["ckpt_callbacks", "orbax", "flax-msgpack", "np.savez", "raw"]
-TINY = ["--scale", "0.001", "--repeats", "1", "--leak-saves", "3", "--fit-epochs", "1"]
+TINY = ["--scale", "0.001", "--repeats", "1", "--leak-saves", "3", "--fit-epochs", "1", "--fit-repeats", "1"]
 
 
 def _keras_callback_importable():

@@ -25,7 +25,16 @@ def sharded_state(seed=0):
             "count": jnp.int32(0)}
 
 
-def test_donated_state_after_save_is_still_saved_exactly(ckdir):
+@pytest.fixture(params=["pooled copies", "views"])
+def snapshot_path(request, monkeypatch):
+    """CPU leaves are copied into the manager's HostPool (small states) or viewed (large ones)."""
+    from ckpt_callbacks import snapshot
+    if request.param == "views":
+        monkeypatch.setattr(snapshot, "EAGER_COPY_MAX_BYTES", 0)
+    return request.param
+
+
+def test_donated_state_after_save_is_still_saved_exactly(ckdir, snapshot_path):
     @functools.partial(jax.jit, donate_argnums=0)
     def step(state):
         return jax.tree.map(lambda x: x * 2 + 1, state)
@@ -40,6 +49,28 @@ def test_donated_state_after_save_is_still_saved_exactly(ckdir):
         m.wait_until_finished()
         out = m.restore(1)
     assert_tree_equal(out, expected)
+
+
+def test_pooled_buffers_serve_the_next_save_and_every_step_restores_exactly(ckdir):
+    @functools.partial(jax.jit, donate_argnums=0)
+    def step(state):
+        return jax.tree.map(lambda x: x * 2 + 1, state)
+
+    state, expected = sharded_state(), {}
+    with cc.CheckpointManager(ckdir) as m:
+        for k in range(1, 5):
+            expected[k] = jax.tree.map(np.asarray, state)
+            m.save(k, state)
+            state = step(state)          # donates while the save is being written
+            if k == 2:
+                lent = [b.ctypes.data for b in m._pool._lent]
+                assert len(lent) == 8 + 2           # the 8 shards of w, and b and count
+            if k == 3:                   # save 3 copied into the buffers save 2 had used
+                assert sorted(b.ctypes.data for b in m._pool._lent) == sorted(lent)
+        m.wait_until_finished()
+        for k in range(1, 5):
+            assert_tree_equal(m.restore(k), expected[k])
+    assert m._pool._lent == [] and m._pool._free == {}    # close() frees the buffers
 
 
 def test_numpy_mutated_after_save_does_not_leak(ckdir):
@@ -220,7 +251,7 @@ def device_copy_path(monkeypatch):
 
 
 def test_device_copy_path_is_donation_safe_and_streams_under_a_budget(ckdir, device_copy_path):
-    test_donated_state_after_save_is_still_saved_exactly(ckdir + "-a")
+    test_donated_state_after_save_is_still_saved_exactly(ckdir + "-a", "device copies")
     test_budget_smaller_than_one_sharded_leaf_streams_without_deadlock(ckdir + "-b")
 
 

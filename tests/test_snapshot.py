@@ -1,0 +1,81 @@
+"""The blocking part of a save: what `snapshot.copy` hands the writer, and the HostPool of warm
+buffers that host-side leaves are copied into."""
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from ckpt_callbacks import snapshot
+
+
+def _copies(tree, pool=None, budget=None):
+    snap = snapshot.plan(tree)
+    items = []
+    snapshot.copy(snap, items.append, budget, pool)
+    assert items[-1] is None
+    out = {}
+    for it in items[:-1]:
+        if it[0] == "packed":
+            out[it[1]] = it[2]
+        else:
+            out[it[1].leaf] = it[1].data
+    return snap, out
+
+
+SOURCES = {
+    "f32": np.arange(12, dtype=np.float32).reshape(3, 4),
+    "bf16": np.arange(6, dtype=np.float32).astype(ml_dtypes.bfloat16),
+    "bool": np.array([True, False, True]),
+    "scalar": np.float64(2.5),
+    "empty": np.zeros((0, 5), np.int32),
+    "fortran": np.asfortranarray(np.arange(20, dtype=np.int16).reshape(4, 5)),
+    "big_endian": np.arange(5, dtype=">i4"),
+    "large": np.arange(3 << 19, dtype=np.float32),          # 6 MiB: a mapped buffer
+}
+
+
+@pytest.mark.parametrize("name", sorted(SOURCES))
+def test_a_pool_copy_is_exact_c_contiguous_and_writable(name):
+    src = SOURCES[name]
+    pool = snapshot.HostPool()
+    got = pool.copy_of(src)
+    assert got.dtype == np.asarray(src).dtype and got.shape == np.shape(src)
+    assert got.flags.c_contiguous and got.flags.writeable
+    np.testing.assert_array_equal(got, src)
+    assert not np.shares_memory(got, np.asarray(src)) or got.nbytes == 0
+
+
+def test_recycled_buffers_are_reused_by_size_and_unused_ones_are_dropped():
+    pool = snapshot.HostPool()
+    a = pool.copy_of(np.ones(1 << 20, np.float32))              # 4 MiB
+    b = pool.copy_of(np.ones(10, np.float32))
+    pool.recycle()
+    a2 = pool.copy_of(np.full(1 << 20, 3, np.float32))           # the same bytes: the same buffer
+    assert np.shares_memory(a, a2) and (a == 3).all()
+    c = pool.copy_of(np.ones(11, np.float32))                    # another size: a new buffer
+    assert not np.shares_memory(b, c)
+    pool.recycle()                                               # b was not used in this round
+    assert sorted(pool._free) == [44, 4 << 20]
+    pool.clear()
+    assert pool._free == {} and pool._lent == []
+
+
+def test_cpu_state_within_the_pool_limit_is_copied_and_larger_or_budgeted_state_is_viewed():
+    x = jax.device_put(jnp.arange(1 << 19, dtype=jnp.float32))   # 2 MiB: a zarr array
+    tree = {"x": x, "n": np.ones(4), "s": jnp.float32(1)}
+    snap, out = _copies(tree, snapshot.HostPool())
+    assert snap.pooled
+    assert not any(np.shares_memory(v, np.asarray(x)) for v in out.values())
+    np.testing.assert_array_equal(out[2], np.asarray(x))
+
+    snap, out = _copies(tree, snapshot.HostPool(max_bytes=1 << 20))   # over the limit: a view
+    assert not snap.pooled and np.shares_memory(out[2], np.asarray(x))
+
+    budget = snapshot.ByteBudget(1 << 20)        # the budget wins too (x alone: nothing releases here)
+    snap, out = _copies({"x": x}, snapshot.HostPool(), budget)
+    assert not snap.pooled and np.shares_memory(out[0], np.asarray(x))
+
+    snap, out = _copies(tree)                                            # no pool: views
+    assert not snap.pooled and np.shares_memory(out[2], np.asarray(x))
