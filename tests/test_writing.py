@@ -256,7 +256,6 @@ def test_device_copy_path_is_donation_safe_and_streams_under_a_budget(ckdir, dev
 
 
 def test_a_failing_blob_write_under_a_budget_fails_the_save_instead_of_hanging(ckdir, monkeypatch):
-    from ckpt_callbacks import snapshot as snapshot_mod
     import ckpt_callbacks.writing as writing_mod
     monkeypatch.setattr(writing_mod, "BLOB_MAX_BYTES", 1000)
 
