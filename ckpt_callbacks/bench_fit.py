@@ -16,7 +16,9 @@ batches without a callback, then `fit` runs ``fit_epochs`` epochs into a fresh d
 timed span includes `on_train_end` (which waits for the last save). ``fit_repeats`` rounds (7 by
 default: on this project's 2-vCPU VM a single fit varies by 10 % and more) run the variants in
 turn, every other round in reverse order, so noise and drift hit them alike; the best of the
-rounds is kept for each variant, and every round's time is in ``samples``.
+rounds is kept for each variant (``overhead``: best against best), and every round's time is in
+``samples``; ``round_overhead`` is the median over rounds of the overhead against the same
+round's fit without a callback.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from __future__ import annotations
 import math
 import os
 import shutil
+import statistics
 import time
 
 import numpy as np
@@ -110,7 +113,9 @@ def run(ctx, row) -> list:
             rows.append(row(ctx, "fit", v, case="", skipped=skipped[v]))
             continue
         t = min(times[v])
+        per_round = [a / b - 1.0 for a, b in zip(times[v], times["none"])]   # same round, same noise
         rows.append(row(ctx, "fit", v, case=f"{ctx.fit_epochs} epochs", fit_s=t, bytes=state_bytes,
-                        overhead=(t / base - 1.0) if base else None, repeats=len(times[v]),
+                        overhead=(t / base - 1.0) if base else None,
+                        round_overhead=statistics.median(per_round) if per_round else None, repeats=len(times[v]),
                         samples=[round(s, 4) for s in times[v]], **({"files": files} if v == "ckpt_callbacks" else {})))
     return rows

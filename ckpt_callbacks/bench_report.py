@@ -120,6 +120,10 @@ def _f(x, fmt="{:.3f}"):
     return "-" if x is None else fmt.format(x)
 
 
+def _pct(x):
+    return _f(None if x is None else 100 * x, "{:+.1f}%")
+
+
 def _table(header, lines) -> str:
     cells = [header] + [[str(c) for c in ln] for ln in lines]
     widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
@@ -177,11 +181,12 @@ def render(result) -> str:
                 parts.append(_table(["peer", "restore onto", "restore", "x same", "read MiB", "needed MiB",
                                      "read/needed", "n"], lines))
         elif wl == "fit":
-            lines = [[r["peer"], _f(r["fit_s"]), _f(None if r.get("overhead") is None else 100 * r["overhead"], "{:+.1f}%"),
+            lines = [[r["peer"], _f(r["fit_s"]), _pct(r.get("overhead")), _pct(r.get("round_overhead")),
                       r.get("repeats", "")] for r in cell]
             if lines:
-                parts.append(f"(state {nbytes / MiB:.0f} MiB incl. optimizer; fit of {cell[0]['case']})")
-                parts.append(_table(["callback", "fit s", "overhead", "n"], lines))
+                parts.append(f"(state {nbytes / MiB:.0f} MiB incl. optimizer; fit of {cell[0]['case']}; "
+                             f"overhead: best round vs best round; median/round: median of each round's)")
+                parts.append(_table(["callback", "fit s", "overhead", "median/round", "n"], lines))
         parts += skipped + [""]
     tg = result.get("targets") or []
     if tg:

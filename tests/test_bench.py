@@ -95,9 +95,10 @@ def test_fit_compares_callbacks_against_no_callback(result, storage):
     else:
         assert not rows["ckpt_callbacks"].get("skipped")
         assert rows["ckpt_callbacks"]["files"] >= 1         # it really saved
+    assert rows["none"]["round_overhead"] == 0.0
     for r in rows.values():
         if not r.get("skipped"):
-            assert r["fit_s"] > 0 and r["bytes"] > 0 and r["overhead"] > -1
+            assert r["fit_s"] > 0 and r["bytes"] > 0 and r["overhead"] > -1 and r["round_overhead"] > -1
 
 
 def test_targets_and_table_cover_every_workload(result):
