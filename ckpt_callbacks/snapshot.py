@@ -118,7 +118,7 @@ class HostPool:
         free = self._free.get(src.nbytes)
         buf = free.pop() if free else _host_empty(src.nbytes)
         self._lent.append(buf)
-        dst = buf.view(src.dtype).reshape(src.shape) if src.nbytes else np.empty(src.shape, src.dtype)
+        dst = buf.view(src.dtype).reshape(src.shape)
         np.copyto(dst, src)
         return dst
 
@@ -338,7 +338,9 @@ def copy(snap: Snapshot, emit, budget: ByteBudget | None = None, pool: HostPool 
     """
     sources, pi = snap._sources, snap.process_index
     if pool is not None:
-        limit = min(pool.max_bytes, budget.limit if budget and budget.limit is not None else pool.max_bytes)
+        limit = pool.max_bytes
+        if budget and budget.limit is not None:
+            limit = min(limit, budget.limit)
         snap.pooled = _host_bytes(snap) <= limit
     eager = pool.copy_of if snap.pooled else None
     for i, rec in enumerate(snap.records):
