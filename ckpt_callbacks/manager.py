@@ -42,7 +42,7 @@ from .errors import (CheckpointError, CheckpointNotFoundError, ConfigError, Corr
                      IncompatibleCheckpointError, StorageUnavailableError)
 from .retention import StepInfo, as_policies, best_policy, decide
 from .storage import open_store
-from .writing import SaveStats, write_and_commit
+from .writing import SaveStats, Workers, write_and_commit
 
 __all__ = ["CheckpointManager"]
 
@@ -102,6 +102,7 @@ class CheckpointManager:
         self.restored_step: int | None = None   # the step the last restore() read
         self._thread: threading.Thread | None = None
         self._pool = snapshot.HostPool()   # warm buffers for the copies of host-side leaves
+        self._workers: Workers | None = None   # the writer's threads, started at the first save
         self._error: BaseException | None = None
         self._closed = False
         self._locked = False
@@ -178,11 +179,14 @@ class CheckpointManager:
             extra_info["prev"] = {"step": prev.step, "commit_s": prev.commit_s, "gc_s": prev.gc_s,
                                   "deleted": list(prev.deleted)}
 
+        if self._workers is None and self.store.local:
+            self._workers = Workers()
+
         def run():
             try:
                 stats = write_and_commit(self.store, step, snap, items, coord=self.coord, metrics=metrics,
                                          host_state=host_bytes, budget=budget, replace=force, token=token,
-                                         timeout_s=self.timeout_s, extra=extra_info)
+                                         timeout_s=self.timeout_s, extra=extra_info, workers=self._workers)
                 self._infos[step] = StepInfo(step, save_time, metrics)
                 stats = self._retain(stats, token)
                 self.history.append(stats)
@@ -434,6 +438,9 @@ class CheckpointManager:
             self._wait()
         finally:
             self._closed = True
+            if self._workers is not None:
+                self._workers.close()
+                self._workers = None
             self._pool.clear()
             self.store.drop_reusable()
             if self._locked:

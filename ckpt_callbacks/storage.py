@@ -66,8 +66,9 @@ class Store:
         """`lead` is True on the one process (0) that owns the step's staging and publishes it."""
         raise NotImplementedError
 
-    def sync(self, rels: list[str], skip=frozenset()) -> None:
-        """Make the given files and trees durable (`skip`: relative paths of files already synced)."""
+    def sync(self, rels: list[str], skip=frozenset(), pool=None) -> None:
+        """Make the given files and trees durable (`skip`: relative paths of files already synced;
+        `pool`: an executor the backend may run fsyncs on)."""
 
     def publish(self, staging: str, step: int, replace: bool = False) -> None:
         raise NotImplementedError
@@ -116,6 +117,25 @@ class Store:
 
     def check_writable(self) -> None:
         pass
+
+
+def _tree(top: str) -> tuple[list[str], list[str]]:
+    """The directories (`top` first) and the files under `top`, symlinks not followed: one
+    ``scandir`` per directory (`os.walk` costs several times more per entry). Nothing if `top`
+    does not exist."""
+    dirs, files, todo = [], [], [top]
+    while todo:
+        d = todo.pop()
+        try:
+            with os.scandir(d) as it:
+                for e in it:
+                    (todo if e.is_dir(follow_symlinks=False) else files).append(e.path)
+        except FileNotFoundError:
+            if d == top:
+                return [], []
+            raise
+        dirs.append(d)
+    return dirs, files
 
 
 def _fsync_path(path: str, directory: bool = False) -> None:
@@ -179,19 +199,19 @@ class LocalStore(Store):
         os.makedirs(self.path(rel), exist_ok=True)
         return rel
 
-    def sync(self, rels: list[str], skip=frozenset()) -> None:
-        """fsync the given files and the files of the given trees, in parallel (fsync releases
-        the GIL, and the device is kept busy with several flushes at once), except the relative
-        paths in `skip`. Directories are fsynced once, by `publish`, for the whole staging tree."""
+    def sync(self, rels: list[str], skip=frozenset(), pool=None) -> None:
+        """fsync the given files and the files of the given trees, in parallel on `pool` (or on
+        threads started for the call; fsync releases the GIL, and the device is kept busy with
+        several flushes at once), except the relative paths in `skip`. Directories are fsynced
+        once, by `publish`, for the whole staging tree. Never call it on a thread of `pool`."""
         files = []
         skip = {self.path(r) for r in skip}
         for rel in rels:
             top = self.path(rel)
             if os.path.isfile(top):
                 files.append(top)
-                continue
-            for dirpath, _, names in os.walk(top):
-                files += [os.path.join(dirpath, f) for f in names]
+            else:
+                files += _tree(top)[1]
         files = [f for f in files if f not in skip]
 
         def one(path):
@@ -200,17 +220,19 @@ class LocalStore(Store):
             except FileNotFoundError:  # another process's temporary file, renamed meanwhile
                 pass
 
-        if len(files) > 1:
-            with concurrent.futures.ThreadPoolExecutor(max_workers=min(16, len(files))) as pool:
-                list(pool.map(one, files))  # re-raises the first failure: the save aborts
+        if len(files) > 1 and pool is not None:
+            list(pool.map(one, files))  # re-raises the first failure: the save aborts
+        elif len(files) > 1:
+            with concurrent.futures.ThreadPoolExecutor(max_workers=min(16, len(files))) as threads:
+                list(threads.map(one, files))
         else:
             for f in files:
                 one(f)
 
     def _sync_dirs(self, rel: str) -> None:
         """fsync every directory of a staging tree (the writers fsynced their own files)."""
-        for dirpath, _, _ in os.walk(self.path(rel)):
-            _fsync_path(dirpath, directory=True)
+        for d in _tree(self.path(rel))[0]:
+            _fsync_path(d, directory=True)
 
     def publish(self, staging: str, step: int, replace: bool = False) -> None:
         final = self.path(fmt.step_name(step))
@@ -254,12 +276,10 @@ class LocalStore(Store):
         # Kept for the next save to overwrite in place: the page cache pages (and on disk, the
         # blocks) are neither freed now nor allocated again then. Only plain chunk files.
         found = []
-        for dirpath, _, names in os.walk(self.path(f"{hidden}/arrays")):
-            for name in names:
-                path = os.path.join(dirpath, name)
-                st = os.lstat(path)
-                if name != "zarr.json" and stat.S_ISREG(st.st_mode) and st.st_nlink == 1:
-                    found.append((st.st_size, path))
+        for path in _tree(self.path(f"{hidden}/arrays"))[1]:
+            st = os.lstat(path)
+            if os.path.basename(path) != "zarr.json" and stat.S_ISREG(st.st_mode) and st.st_nlink == 1:
+                found.append((st.st_size, path))
         with self._pool_lock:
             self._kept.append(hidden)
             for size, path in found:

@@ -11,9 +11,10 @@ Example (what `CheckpointManager` does; most users never call this directly)::
     stats = writing.write_and_commit(open_store("/tmp/run"), 10, snap, q)   # writer thread
 
 Who calls what, in order, on which process (every process runs this function for the same step):
-  1. ``store.begin`` -> staging location; process 0 creates every zarr array's metadata; barrier.
-  2. consume the queue: zarr chunk writes (local stores: `chunkwrite` on a small pool, straight
-     from the snapshot's buffers; else tensorstore futures) and msgpack blobs of packed leaves,
+  1. ``store.begin`` -> staging location; process 0 creates every zarr array's metadata
+     (`_Arrays.create`); barrier.
+  2. consume the queue: zarr chunk writes (local stores: `chunkwrite` on the `Workers` pools,
+     straight from the snapshot's buffers; else tensorstore futures) and msgpack blobs of packed leaves,
      releasing the byte budget as each lands; then the per-process host-state blob.
   3. ``store.sync`` this process's files (local chunk files are fsynced as each box lands, the
      rest at the end); gather every process's status and packed-leaf checksums.
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import json
 import threading
 import time
 
@@ -40,7 +42,7 @@ from .errors import CheckpointSaveError
 from .snapshot import BLOB_MAX_BYTES, ByteBudget, Snapshot
 from .storage import Store
 
-__all__ = ["SaveStats", "write_and_commit", "zarr_spec"]
+__all__ = ["SaveStats", "Workers", "write_and_commit", "zarr_spec"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,8 +92,17 @@ def _to_storage(a: np.ndarray, dt: str) -> np.ndarray:
 def write_and_commit(store: Store, step: int, snap: Snapshot, items, *, coord: Coordinator | None = None,
                      metrics: dict | None = None, host_state: bytes | None = None,
                      budget: ByteBudget | None = None, replace: bool = False, token: str = "0" * 12,
-                     timeout_s: float = 600.0, extra: dict | None = None) -> SaveStats:
-    """Run the background part of a save. `items` has ``.get()`` yielding what `snapshot.copy` emits."""
+                     timeout_s: float = 600.0, extra: dict | None = None, workers: Workers | None = None) -> SaveStats:
+    """Run the background part of a save. `items` has ``.get()`` yielding what `snapshot.copy` emits;
+    `workers`: the pools to write and fsync local files on (None: started and ended here)."""
+    if workers is None and store.local:
+        workers = Workers()
+        try:
+            return write_and_commit(store, step, snap, items, coord=coord, metrics=metrics, host_state=host_state,
+                                    budget=budget, replace=replace, token=token, timeout_s=timeout_s, extra=extra,
+                                    workers=workers)
+        finally:
+            workers.close()
     coord = coord or SingleProcess()
     pi = coord.process_index
     items = _Items(items)
@@ -103,13 +114,13 @@ def write_and_commit(store: Store, step: int, snap: Snapshot, items, *, coord: C
     try:
         staging = store.begin(step, token, lead=pi == 0)
         arrays = _open_arrays(store, staging, snap, coord, timeout_s, f"meta/{step}/{token}")
-        written, files, packed_info, mine, synced = _consume(store, staging, snap, items, arrays, budget)
+        written, files, packed_info, mine, synced = _consume(store, staging, snap, items, arrays, budget, workers)
         if host_state is not None:
             rel = f"host/p{pi}.msgpack"
             store.write(f"{staging}/{rel}", host_state, sync=False)   # made durable by store.sync below
             files += 1
             mine.append(rel)
-        store.sync([f"{staging}/{r}" for r in mine], skip=synced)
+        store.sync([f"{staging}/{r}" for r in mine], skip=synced, pool=workers and workers.fsync)
     except BaseException as e:  # noqa: BLE001 - reported to every process, then re-raised
         error = store.scrub(e)  # object stores: the message without endpoint or credentials
         if budget:
@@ -189,70 +200,115 @@ def _drain(items, budget):
             budget.release(item[2].nbytes if item[0] == "packed" else item[1].nbytes)
 
 
-def _open_arrays(store, staging, snap, coord, timeout_s, barrier_name) -> dict:
-    recs = snap.records
-    # local files: tensorstore need not fsync each chunk as it lands; `store.sync` fsyncs every file
-    # this process wrote once all are written (one pass, before the commit)
-    ctx = ts.Context({"file_io_sync": False}) if store.local else None
+_ZARR_JSON: dict[str, bytes] = {}   # an array's zarr metadata (as JSON) -> the zarr.json tensorstore wrote for it
+_ZARR_JSON_MAX = 4096
+
+
+class _Arrays:
+    """The step's zarr arrays, by leaf. `create` (process 0) makes every array's zarr.json; a
+    tensorstore handle is opened when a leaf is first written through tensorstore (``arrays[i]``):
+    local chunk files written by `chunkwrite` need none. Local stores: tensorstore writes the
+    zarr.json of each distinct metadata once per process; later saves write the same bytes (they
+    depend on the metadata only), which spares a tensorstore open per array and save."""
+
+    def __init__(self, store: Store, staging: str, snap: Snapshot):
+        self.store, self.staging, self.recs = store, staging, snap.records
+        # local files: tensorstore need not fsync each chunk as it lands; `store.sync` fsyncs every
+        # file this process wrote once all are written (one pass, before the commit)
+        self.ctx = ts.Context({"file_io_sync": False}) if store.local else None
+        self.handles: dict = {}
+
+    def spec(self, i: int) -> dict:
+        return zarr_spec(self.store, f"{self.staging}/{self.recs[i]['z']}", self.recs[i])
+
+    def create(self, leaves) -> None:
+        futs = {}
+        for i in leaves:
+            spec = self.spec(i)
+            key = json.dumps(spec["metadata"], sort_keys=True) if self.store.local else None
+            if key in _ZARR_JSON:
+                self.store.write(f"{self.staging}/{self.recs[i]['z']}/zarr.json", _ZARR_JSON[key], sync=False)
+            else:
+                futs[i] = (key, ts.open(spec, create=True, open=True, context=self.ctx))
+        for i, (key, fut) in futs.items():
+            self.handles[i] = fut.result()
+            if key is not None:
+                if len(_ZARR_JSON) >= _ZARR_JSON_MAX:
+                    _ZARR_JSON.clear()
+                _ZARR_JSON[key] = self.store.read(f"{self.staging}/{self.recs[i]['z']}/zarr.json")
+
+    def __getitem__(self, i: int):
+        h = self.handles.get(i)
+        if h is None:
+            h = self.handles[i] = ts.open(self.spec(i), open=True, assume_metadata=True, context=self.ctx).result()
+        return h
+
+
+def _open_arrays(store, staging, snap, coord, timeout_s, barrier_name) -> _Arrays:
+    arrays = _Arrays(store, staging, snap)
     failure = None
     if coord.process_index == 0:
         try:
-            futs = {i: ts.open(zarr_spec(store, f"{staging}/{recs[i]['z']}", recs[i]), create=True, open=True,
-                               context=ctx)
-                    for i in snap.array_leaves}
-            arrays = {i: f.result() for i, f in futs.items()}
+            arrays.create(snap.array_leaves)
         except Exception as e:  # noqa: BLE001 - the others must not wait out the barrier for it
             failure = e
     coord.barrier(barrier_name, timeout_s) if coord.process_count > 1 else None
     if failure is not None:
         raise failure
-    if coord.process_index != 0:
-        futs = {i: ts.open(zarr_spec(store, f"{staging}/{recs[i]['z']}", recs[i]), open=True, assume_metadata=True,
-                           context=ctx)
-                for i in snap.array_leaves}
-        arrays = {i: f.result() for i, f in futs.items()}
     return arrays
 
 
-class _EarlySync:
-    """fsync each box's chunk files as soon as they are written (local stores only),
-    so the device flushes early leaves while later ones are still being written; the final
-    `store.sync` then skips what is done. Errors re-raise from `close` (the save fails)."""
+class Workers:
+    """The writer's thread pools (local stores): `chunks` writes chunk files, `fsync` makes them
+    durable. `CheckpointManager` keeps one from save to save (a save would otherwise start and
+    end about ten threads) and closes it in its own `close`; `write_and_commit` called without
+    one starts one for the call. Tasks on these pools never wait for other tasks of them."""
 
-    def __init__(self, store: Store):
-        self.store, self.done = store, set()
-        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="ckpt-fsync")
+    def __init__(self):
+        self.chunks = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="ckpt-chunk")
+        self.fsync = concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="ckpt-fsync")
+
+    def close(self) -> None:
+        self.chunks.shutdown(wait=True)
+        self.fsync.shutdown(wait=True)
+
+
+class _EarlySync:
+    """fsync each box's chunk files as soon as they are written (local stores only), on the
+    `fsync` pool, so the device flushes early leaves while later ones are still being written;
+    the final `store.sync` then skips what is done. Errors re-raise from `close` (the save fails)."""
+
+    def __init__(self, store: Store, pool):
+        self.store, self.pool, self.done = store, pool, set()
         self.futures: list = []
         self.lock = threading.Lock()
         self.closed = False
 
-    def _sync(self, rels: list) -> None:
-        self.store.sync(rels)
+    def _sync(self, rel: str) -> None:
+        self.store.sync([rel])   # one file: fsynced on this thread
         with self.lock:
-            self.done.update(rels)
+            self.done.add(rel)
 
     def after(self, rels: list):
         """A done-callback for the write future of the box whose chunk files are `rels`."""
         def cb(fut):
             with self.lock:
                 if not self.closed and not fut.cancelled() and fut.exception() is None:
-                    self.futures.append(self.pool.submit(self._sync, rels))
+                    self.futures += [self.pool.submit(self._sync, r) for r in rels]
         return cb
 
     def close(self) -> set:
-        """Wait for the fsyncs started; the relative paths made durable (a late box is left to the
-        final sync)."""
+        """Wait for every fsync started; the relative paths made durable (a late box is left to
+        the final sync)."""
         with self.lock:
             self.closed = True
-        try:
-            for f in self.futures:
-                f.result()
-        finally:
-            self.pool.shutdown(wait=True)
+        concurrent.futures.wait(self.futures)
+        for f in self.futures:
+            f.result()
         return self.done
 
 
-def _consume(store, staging, snap, items, arrays, budget):
+def _consume(store, staging, snap, items, arrays, budget, workers):
     written = files = 0
     futures = []
     packed_info: dict = {}
@@ -261,10 +317,9 @@ def _consume(store, staging, snap, items, arrays, budget):
     blob_bytes = 0
     mine: set = set()
     nblob = 0
-    early = _EarlySync(store) if store.local else None
+    early = _EarlySync(store, workers.fsync) if store.local else None
     # local stores: chunk files written straight from the snapshot's buffers (chunkwrite)
-    direct = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="ckpt-chunk") \
-        if store.local else None
+    direct = workers.chunks if store.local else None
 
     def write_direct(rels, views):
         for rel, view in zip(rels, views):
@@ -338,16 +393,12 @@ def _consume(store, staging, snap, items, arrays, budget):
                 f.result()
             except Exception:  # noqa: BLE001 - the first failure is what gets reported
                 pass
-        if direct:
-            direct.shutdown(wait=True)
         if early:
             try:
                 early.close()
             except Exception:  # noqa: BLE001 - the first failure is what gets reported
                 pass
         raise
-    if direct:
-        direct.shutdown(wait=True)
     synced = early.close() if early else set()
     return written, files, packed_info, sorted(mine), synced
 

@@ -284,3 +284,52 @@ def test_a_failing_blob_write_under_a_budget_fails_the_save_instead_of_hanging(c
     assert done.is_set(), "the save hung instead of failing"
     assert m.all_steps() == []
     m.close()
+
+
+def test_zarr_json_of_a_known_metadata_is_the_bytes_tensorstore_wrote(ckdir, monkeypatch):
+    from ckpt_callbacks import writing
+    monkeypatch.setattr(writing, "_ZARR_JSON", {})
+    opened = []
+    real_open = writing.ts.open
+    monkeypatch.setattr(writing.ts, "open", lambda spec, **kw: opened.append(kw) or real_open(spec, **kw))
+    # float32 and (copied to native order) the big-endian ints go the direct chunk path; bools
+    # go through tensorstore
+    trees = [{"w": np.full((1024, 300), k, np.float32), "flags": np.arange(1_100_000) % (k + 2) == 0,
+              "be": np.arange(300_000, dtype=">i4") * k} for k in (1, 2, 3)]   # each > PACK_MAX_BYTES
+    with cc.CheckpointManager(ckdir) as m:
+        for k, tree in enumerate(trees, start=1):
+            m.save(k, tree)
+            m.wait_until_finished()
+        creates = [kw for kw in opened if kw.get("create")]
+        assert len(creates) == 3                       # once per distinct metadata, at the first save
+        assert sum(1 for kw in opened if kw.get("assume_metadata")) == 2   # the bools of saves 2 and 3
+        for k, tree in enumerate(trees, start=1):
+            assert_tree_equal(m.restore(k), tree)
+    def jsons(step):
+        root = os.path.join(ckdir, f"step_{step:010d}", "arrays")
+        return {d: open(os.path.join(root, d, "zarr.json"), "rb").read() for d in sorted(os.listdir(root))}
+    assert jsons(1) == jsons(2) == jsons(3) and len(jsons(1)) == 3
+    monkeypatch.setattr(writing, "_ZARR_JSON", {})   # tensorstore reads what the cache wrote, as its own
+    with cc.CheckpointManager(ckdir) as m:
+        m.save(4, trees[0])
+    assert jsons(4) == jsons(1)
+
+
+def test_the_manager_keeps_its_writer_threads_from_save_to_save_and_close_ends_them(ckdir):
+    def writers():
+        return {t.ident for t in threading.enumerate() if t.name.startswith(("ckpt-chunk", "ckpt-fsync"))}
+
+    before = writers()
+    tree = {f"w{i}": np.full((512, 1024), i, np.float32) for i in range(6)}   # 2 MiB each: chunk files
+    m = cc.CheckpointManager(ckdir, retention=cc.KeepLast(2))
+    m.save(1, tree)
+    m.wait_until_finished()
+    first = writers() - before
+    assert first
+    for k in range(2, 6):
+        m.save(k, {n: a + k for n, a in tree.items()})
+        m.wait_until_finished()
+        assert writers() - before == first            # the same threads, no new ones
+    m.close()
+    assert not writers() - before
+    assert_tree_equal(cc.CheckpointManager(ckdir, read_only=True).restore(5), {n: a + 5 for n, a in tree.items()})
