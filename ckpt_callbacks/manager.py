@@ -441,7 +441,7 @@ class CheckpointManager:
             if self._workers is not None:
                 self._workers.close()
                 self._workers = None
-            self._pool.clear()
+            self._pool.clear(background=True)
             self.store.drop_reusable()
             if self._locked:
                 lock.release(self.store.root)

@@ -104,7 +104,7 @@ class HostPool:
 
     Who calls what: `CheckpointManager` owns one. `copy` takes buffers on the caller's thread;
     the manager calls `recycle` after joining the previous save's writer (nothing reads its
-    buffers any more), and `clear` when it closes. Not thread-safe beyond that order.
+    buffers any more), and `clear(background=True)` when it closes. Not thread-safe beyond that order.
     """
 
     def __init__(self, max_bytes: int | None = None):
@@ -129,8 +129,13 @@ class HostPool:
             self._free.setdefault(b.nbytes, []).append(b)
         self._lent = []
 
-    def clear(self) -> None:
+    def clear(self, background: bool = False) -> None:
+        """Drop every buffer. With `background` their memory goes back to the system on a thread
+        of its own (unmapping 30 MiB costs ~7 ms here): the manager's `close` need not wait."""
+        bufs = [b for free in self._free.values() for b in free] + self._lent
         self._free, self._lent = {}, []
+        if background and bufs:
+            threading.Thread(target=bufs.clear, name="ckpt_callbacks-free", daemon=True).start()
 
 
 def _host_empty(nbytes: int) -> np.ndarray:

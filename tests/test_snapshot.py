@@ -62,6 +62,24 @@ def test_recycled_buffers_are_reused_by_size_and_unused_ones_are_dropped():
     assert pool._free == {} and pool._lent == []
 
 
+def test_clear_in_the_background_empties_the_pool_at_once_and_frees_the_buffers_soon():
+    import gc
+    import time
+    import weakref
+    pool = snapshot.HostPool()
+    pool.copy_of(np.ones(1 << 20, np.float32))                   # 4 MiB, mapped
+    pool.recycle()
+    pool.copy_of(np.ones(3, np.float32))                         # lent
+    refs = [weakref.ref(b) for free in pool._free.values() for b in free] + [weakref.ref(b) for b in pool._lent]
+    pool.clear(background=True)
+    assert pool._free == {} and pool._lent == []
+    deadline = time.monotonic() + 10
+    while any(r() is not None for r in refs) and time.monotonic() < deadline:
+        gc.collect()
+        time.sleep(0.01)
+    assert all(r() is None for r in refs)
+
+
 def test_cpu_state_within_the_pool_limit_is_copied_and_larger_or_budgeted_state_is_viewed():
     x = jax.device_put(jnp.arange(1 << 19, dtype=jnp.float32))   # 2 MiB: a zarr array
     tree = {"x": x, "n": np.ones(4), "s": jnp.float32(1)}
