@@ -42,7 +42,7 @@ from .errors import (CheckpointError, CheckpointNotFoundError, ConfigError, Corr
                      IncompatibleCheckpointError, StorageUnavailableError)
 from .retention import StepInfo, as_policies, best_policy, decide
 from .storage import open_store
-from .writing import SaveStats, Workers, write_and_commit
+from .writing import SaveStats, Workers, WriteThrough, write_and_commit
 
 __all__ = ["CheckpointManager"]
 
@@ -199,7 +199,8 @@ class CheckpointManager:
         self._thread = threading.Thread(target=run, name=f"ckpt_callbacks-save-{step}", daemon=True)
         self._thread.start()
         try:
-            snapshot.copy(snap, items.put, budget, self._pool)
+            through = WriteThrough(self.store, step, token, snap, self._workers) if self.store.local else None
+            snapshot.copy(snap, items.put, budget, self._pool, through)
         except BaseException as e:
             items.put(("abort", e))
             items.put(None)

@@ -15,7 +15,9 @@ Copies: numpy leaves are copied (`np.array`; they are mutable). jax.Array shards
 writes: on CPU, a zero-copy numpy view (the runtime does not donate a buffer while a view of it is
 alive, so the view keeps the value of the call: see `_on_cpu`) -- or, when this process's host-side
 bytes fit in the manager's `HostPool` (`EAGER_COPY_MAX_BYTES`), a copy at once into warm buffers
-reused from save to save, so that the next donating step need not copy; elsewhere an on-device copy,
+reused from save to save, so that the next donating step need not copy (in a local directory, boxes
+whose chunk files can be written byte for byte are not copied but written at once, before `copy`
+returns: `writing.WriteThrough`); elsewhere an on-device copy,
 dispatched asynchronously (one jitted copy per unreplicated leaf, `jax.device_put` with
 ``may_alias=False`` per shard otherwise) and transferred to host by the writer. With a `ByteBudget`, each copy first reserves its
 bytes and the writer releases them once written, so staging memory never exceeds the budget (the
@@ -24,6 +26,7 @@ save then blocks until enough earlier shards are written).
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import itertools
 import math
@@ -332,14 +335,19 @@ def _host_bytes(snap: Snapshot) -> int:
     return n + sum(nbytes for i, _, _, nbytes in snap._boxes if _host_side(sources[i]))
 
 
-def copy(snap: Snapshot, emit, budget: ByteBudget | None = None, pool: HostPool | None = None) -> None:
+def copy(snap: Snapshot, emit, budget: ByteBudget | None = None, pool: HostPool | None = None,
+         through=None) -> None:
     """Copy every leaf this process writes, in order, handing each copy to `emit`.
 
     `emit(("packed", leaf, ndarray))` or `emit(("array", ArrayWrite))`; then `emit(None)`. With a
     budget, each copy first reserves its bytes; the consumer releases them once written, so the
     copies of later leaves wait for the writes of earlier ones. With a `pool`, host-side leaves
-    are copied into its buffers when they fit (``snap.pooled`` then says so). Drops the
-    snapshot's references to the caller's buffers before returning.
+    are copied into its buffers when they fit (``snap.pooled`` then says so). Then `through`
+    (`writing.WriteThrough`, local stores) is offered each host-side box of an array leaf first:
+    it returns a future of the files it writes from the caller's buffer, or None (then the box is
+    copied). `copy` waits for those futures and emits ``("written", ArrayWrite(leaf, box, None,
+    nbytes), future)`` for each (the writer takes a failure as its own). Drops the snapshot's references to the caller's buffers and waits
+    for everything that reads them before returning (also when it raises).
     """
     sources, pi = snap._sources, snap.process_index
     if pool is not None:
@@ -348,44 +356,54 @@ def copy(snap: Snapshot, emit, budget: ByteBudget | None = None, pool: HostPool 
             limit = min(limit, budget.limit)
         snap.pooled = _host_bytes(snap) <= limit
     eager = pool.copy_of if snap.pooled else None
-    for i, rec in enumerate(snap.records):
-        if rec["k"] == "packed" and rec["w"] == pi:
+    through = through if snap.pooled else None
+    pending: list = []
+    try:
+        for i, rec in enumerate(snap.records):
+            if rec["k"] == "packed" and rec["w"] == pi:
+                x = sources[i]
+                if eager and _host_side(x):
+                    arr = eager(x)
+                else:
+                    arr = np.asarray(x) if _on_cpu(x) else np.array(x, copy=True)
+                if budget:
+                    budget.acquire(arr.nbytes)
+                emit(("packed", i, arr))
+        by_leaf: dict = {}
+        for i, b, devs, nbytes in snap._boxes:
+            by_leaf.setdefault(i, []).append((b, devs, nbytes))
+        for i, boxes in by_leaf.items():
             x = sources[i]
-            if eager and _host_side(x):
-                arr = eager(x)
-            else:
-                arr = np.asarray(x) if _on_cpu(x) else np.array(x, copy=True)
-            if budget:
-                budget.acquire(arr.nbytes)
-            emit(("packed", i, arr))
-    by_leaf: dict = {}
-    for i, b, devs, nbytes in snap._boxes:
-        by_leaf.setdefault(i, []).append((b, devs, nbytes))
-    for i, boxes in by_leaf.items():
-        x = sources[i]
-        whole = _whole_copy(x, boxes, budget)
-        for b, devs, nbytes in boxes:
-            if whole is not None:
-                emit(("array", ArrayWrite(i, b, whole.pop(b), nbytes)))
-                continue
-            if budget:
-                budget.acquire(nbytes)
-            if isinstance(x, jax.Array):
-                mine = next(d for d in devs if d.process_index == pi)
-                shard = next(s for s in x.addressable_shards if s.device == mine)
-                sbox = layout.box_of(shard.index, x.shape)
-                piece = tuple(slice(lo - o, hi - o) for (lo, hi), (o, _) in zip(b, sbox))
-                if _on_cpu(x):
-                    data = np.asarray(shard.data)[piece]
-                    data = eager(data) if eager else data
+            whole = _whole_copy(x, boxes, budget)
+            for b, devs, nbytes in boxes:
+                if whole is not None:
+                    emit(("array", ArrayWrite(i, b, whole.pop(b), nbytes)))
+                    continue
+                if isinstance(x, jax.Array):
+                    mine = next(d for d in devs if d.process_index == pi)
+                    shard = next(s for s in x.addressable_shards if s.device == mine)
+                    sbox = layout.box_of(shard.index, x.shape)
+                    piece = tuple(slice(lo - o, hi - o) for (lo, hi), (o, _) in zip(b, sbox))
+                    view = np.asarray(shard.data)[piece] if _on_cpu(x) else None
+                else:
+                    view = x[tuple(slice(lo, hi) for lo, hi in b)]
+                fut = through(i, b, view) if through is not None and view is not None else None
+                if fut is not None:
+                    pending.append((fut, ArrayWrite(i, b, None, nbytes)))
+                    continue
+                if budget:
+                    budget.acquire(nbytes)
+                if view is not None:
+                    data = eager(view) if eager else (view if isinstance(x, jax.Array) else np.array(view, copy=True))
                 elif sbox == b:
                     data = jax.device_put(shard.data, shard.device, may_alias=False)
                 else:  # a piece of a replicated shard: the slice is a new buffer, taken now
                     data = shard.data[piece]
-            else:
-                data = x[tuple(slice(lo, hi) for lo, hi in b)]
-                data = eager(data) if eager else np.array(data, copy=True)
-            emit(("array", ArrayWrite(i, b, data, nbytes)))
+                emit(("array", ArrayWrite(i, b, data, nbytes)))
+    finally:
+        concurrent.futures.wait([f for f, _ in pending])   # nothing reads the caller's buffers after this
+    for fut, w in pending:
+        emit(("written", w, fut))   # done; a failed write fails the save in the writer, as any write
     snap._sources = snap._boxes = None
     snap.blocking_s = time.perf_counter() - snap.started
     emit(None)

@@ -194,8 +194,12 @@ class LocalStore(Store):
             return []
         return sorted(s for s in map(fmt.parse_step_name, names) if s is not None)
 
+    def staging(self, step: int, token: str) -> str:
+        """The staging directory (relative) that `begin` makes for the save `token` of `step`."""
+        return f"{fmt.step_name(step)}.tmp-{token}"
+
     def begin(self, step: int, token: str, lead: bool = True) -> str:
-        rel = f"{fmt.step_name(step)}.tmp-{token}"
+        rel = self.staging(step, token)
         os.makedirs(self.path(rel), exist_ok=True)
         return rel
 

@@ -42,7 +42,7 @@ from .errors import CheckpointSaveError
 from .snapshot import BLOB_MAX_BYTES, ByteBudget, Snapshot
 from .storage import Store
 
-__all__ = ["SaveStats", "Workers", "write_and_commit", "zarr_spec"]
+__all__ = ["SaveStats", "Workers", "WriteThrough", "write_and_commit", "zarr_spec"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,7 +196,7 @@ def _drain(items, budget):
         item = items.get()
         if item is None:
             return
-        if budget and item[0] != "abort":
+        if budget and item[0] in ("packed", "array"):
             budget.release(item[2].nbytes if item[0] == "packed" else item[1].nbytes)
 
 
@@ -289,12 +289,18 @@ class _EarlySync:
         with self.lock:
             self.done.add(rel)
 
+    def submit(self, rels: list) -> None:
+        """fsync the chunk files `rels`, just written (unless `close` was called: then the final
+        sync does)."""
+        with self.lock:
+            if not self.closed:
+                self.futures += [self.pool.submit(self._sync, r) for r in rels]
+
     def after(self, rels: list):
         """A done-callback for the write future of the box whose chunk files are `rels`."""
         def cb(fut):
-            with self.lock:
-                if not self.closed and not fut.cancelled() and fut.exception() is None:
-                    self.futures += [self.pool.submit(self._sync, r) for r in rels]
+            if not fut.cancelled() and fut.exception() is None:
+                self.submit(rels)
         return cb
 
     def close(self) -> set:
@@ -306,6 +312,37 @@ class _EarlySync:
         for f in self.futures:
             f.result()
         return self.done
+
+
+def _write_direct(store: Store, rels: list, views: list) -> list:
+    for rel, view in zip(rels, views):
+        chunkwrite.write_chunk(store.path(rel), view, sync=False, claim=store.claim)   # fsynced by the writer
+    return rels
+
+
+class WriteThrough:
+    """`snapshot.copy`'s `through` for a local store: the chunk files of a host-side box (numpy,
+    CPU jax) are written at once, straight from the caller's buffer, on the chunk threads, instead
+    of copying the box and writing the copy later: the state crosses memory once instead of twice.
+    `copy` waits for these writes before the save returns, so the caller may donate or mutate its
+    buffers as usual; the writer then fsyncs the files, commits and retains as for any other box.
+
+    Who calls what: `CheckpointManager.save` builds one per save (every process; only where the
+    snapshot goes to its HostPool, i.e. small host-side states) and hands it to `snapshot.copy`
+    on the caller's thread; the files land in the staging directory that the writer thread's
+    ``store.begin`` names (created by whichever comes first)."""
+
+    def __init__(self, store: Store, step: int, token: str, snap: Snapshot, workers: Workers):
+        self.store, self.snap, self.pool = store, snap, workers.chunks
+        self.staging = store.staging(step, token)
+
+    def __call__(self, leaf: int, box, data: np.ndarray):
+        rec = self.snap.records[leaf]
+        todo = chunkwrite.pieces(rec, box, _to_storage(data, rec["dt"]))
+        if todo is None:
+            return None
+        return self.pool.submit(_write_direct, self.store, [f"{self.staging}/{rec['z']}/{k}" for k, _ in todo],
+                                [v for _, v in todo])
 
 
 def _consume(store, staging, snap, items, arrays, budget, workers):
@@ -320,10 +357,6 @@ def _consume(store, staging, snap, items, arrays, budget, workers):
     early = _EarlySync(store, workers.fsync) if store.local else None
     # local stores: chunk files written straight from the snapshot's buffers (chunkwrite)
     direct = workers.chunks if store.local else None
-
-    def write_direct(rels, views):
-        for rel, view in zip(rels, views):
-            chunkwrite.write_chunk(store.path(rel), view, sync=False, claim=store.claim)   # `early` fsyncs them
 
     def flush():
         nonlocal blob, blob_leaves, blob_bytes, nblob, written, files
@@ -352,6 +385,14 @@ def _consume(store, staging, snap, items, arrays, budget, workers):
                 break
             if item[0] == "abort":
                 raise CheckpointSaveError(f"the snapshot failed: {item[1]}") from item[1]
+            if item[0] == "written":   # by `WriteThrough`, during the snapshot
+                _, w, done = item
+                rels = done.result()   # a failed write (disk full) fails the save here
+                early.submit(rels)
+                written += w.nbytes
+                mine.add(snap.records[w.leaf]["z"])
+                files += len(rels)
+                continue
             if item[0] == "packed":
                 _, leaf, arr = item
                 # a byte view, not a copy: msgpack copies it once, into the blob
@@ -368,7 +409,7 @@ def _consume(store, staging, snap, items, arrays, budget, workers):
             todo = chunkwrite.pieces(rec, w.box, data) if direct else None
             if todo is not None:
                 rels = [f"{staging}/{rec['z']}/{k}" for k, _ in todo]
-                fut = direct.submit(write_direct, rels, [v for _, v in todo])
+                fut = direct.submit(_write_direct, store, rels, [v for _, v in todo])
             else:
                 rels = [f"{staging}/{rec['z']}/{fmt.chunk_key(idx)}"
                         for idx in layout.chunks_of(w.box, rec["ch"])] if early else []

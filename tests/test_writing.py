@@ -54,9 +54,11 @@ def test_donated_state_after_save_is_still_saved_exactly(ckdir, snapshot_path):
 def test_pooled_buffers_serve_the_next_save_and_every_step_restores_exactly(ckdir):
     @functools.partial(jax.jit, donate_argnums=0)
     def step(state):
-        return jax.tree.map(lambda x: x * 2 + 1, state)
+        return jax.tree.map(lambda x: ~x if x.dtype == bool else x * 2 + 1, state)
 
     state, expected = sharded_state(), {}
+    mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("a", "b"))
+    state["flags"] = jax.device_put(jnp.arange(1024 * 1152).reshape(1024, 1152) % 3 == 0, NamedSharding(mesh, P("a")))
     with cc.CheckpointManager(ckdir) as m:
         for k in range(1, 5):
             expected[k] = jax.tree.map(np.asarray, state)
@@ -64,7 +66,9 @@ def test_pooled_buffers_serve_the_next_save_and_every_step_restores_exactly(ckdi
             state = step(state)          # donates while the save is being written
             if k == 2:
                 lent = [b.ctypes.data for b in m._pool._lent]
-                assert len(lent) == 8 + 2           # the 8 shards of w, and b and count
+                # the 4 shards of flags (bool: tensorstore writes them), and b and count; the 8
+                # shards of w were written straight from the device buffers (WriteThrough)
+                assert len(lent) == 4 + 2
             if k == 3:                   # save 3 copied into the buffers save 2 had used
                 assert sorted(b.ctypes.data for b in m._pool._lent) == sorted(lent)
         m.wait_until_finished()
@@ -333,3 +337,23 @@ def test_the_manager_keeps_its_writer_threads_from_save_to_save_and_close_ends_t
     m.close()
     assert not writers() - before
     assert_tree_equal(cc.CheckpointManager(ckdir, read_only=True).restore(5), {n: a + 5 for n, a in tree.items()})
+
+
+def test_a_small_host_state_is_in_its_chunk_files_when_save_returns(ckdir, monkeypatch):
+    from ckpt_callbacks import format as fmt, writing
+    gate = threading.Event()          # holds the writer thread back until the checks below are done
+    real = writing._open_arrays
+    monkeypatch.setattr(writing, "_open_arrays", lambda *a, **k: (gate.wait(10), real(*a, **k))[1])
+    a = np.arange(512 * 1024, dtype=np.float32).reshape(512, 1024)
+    expected = a.copy()
+    with cc.CheckpointManager(ckdir) as m:
+        m.save(1, {"a": a})
+        chunks = [os.path.join(d, f) for d, _, fs in os.walk(ckdir) for f in fs if "/c/" in os.path.join(d, f)]
+        assert len(chunks) == 1 and ".tmp-" in chunks[0]           # written through, not yet committed
+        raw = open(chunks[0], "rb").read()
+        assert raw[:-4] == expected.tobytes() and int.from_bytes(raw[-4:], "little") == fmt.crc32c(raw[:-4])
+        a[:] = -1                                                  # the caller's buffer is its own again
+        gate.set()
+        m.wait_until_finished()
+        assert m.all_steps() == [1]
+        np.testing.assert_array_equal(m.restore(1)["a"], expected)
