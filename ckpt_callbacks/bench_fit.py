@@ -15,7 +15,9 @@ here, lazily, with ``KERAS_BACKEND=jax`` (a Keras already imported on another ba
 batches without a callback, then `fit` runs ``fit_epochs`` epochs into a fresh directory; the
 timed span includes `on_train_end` (which waits for the last save). ``fit_repeats`` rounds (7 by
 default: on this project's 2-vCPU VM a single fit varies by 10 % and more) run the variants in
-turn, every other round in reverse order, so noise and drift hit them alike; the best of the
+turn, every other round in reverse order, so noise and drift hit them alike (and each starts
+after an ``os.sync()``: Keras' ModelCheckpoint, for one, leaves its file to the kernel's
+writeback, which would otherwise land in the next variant's time); the best of the
 rounds is kept for each variant (``overhead``: best against best), and every round's time is in
 ``samples``; ``round_overhead`` is the median over rounds of the overhead against the same
 round's fit without a callback.
@@ -97,6 +99,7 @@ def run(ctx, row) -> list:
             model.fit(x[:2 * batch], y[:2 * batch], batch_size=batch, epochs=1, verbose=0)  # compile
             state_bytes = sum(int(np.prod(w.shape)) * np.dtype(w.dtype).itemsize for w in
                               model.trainable_variables + model.optimizer.variables)
+            os.sync()   # the previous variant's unflushed writes are not this one's to pay for
             t0 = time.perf_counter()
             model.fit(x, y, batch_size=batch, epochs=ctx.fit_epochs, verbose=0, callbacks=cbs, shuffle=False)
             dt = time.perf_counter() - t0

@@ -82,6 +82,10 @@ class Store:
         """The absolute path of a kept chunk file of exactly `nbytes`, now the caller's, or None."""
         return None
 
+    def claim_all(self, sizes: list[int]) -> list[str] | None:
+        """A kept chunk file for each of `sizes` (as `claim`), or None and nothing claimed."""
+        return None
+
     def drop_reusable(self) -> None:
         """Delete the files kept by ``delete(reuse=True)`` that no save claimed."""
 
@@ -293,6 +297,12 @@ class LocalStore(Store):
         with self._pool_lock:
             paths = self._pool.get(nbytes)
             return paths.pop() if paths else None
+
+    def claim_all(self, sizes: list[int]) -> list[str] | None:
+        with self._pool_lock:
+            if any(len(self._pool.get(n, ())) < sizes.count(n) for n in set(sizes)):
+                return None
+            return [self._pool[n].pop() for n in sizes]
 
     def drop_reusable(self) -> None:
         with self._pool_lock:

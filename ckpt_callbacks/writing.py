@@ -314,16 +314,21 @@ class _EarlySync:
         return self.done
 
 
-def _write_direct(store: Store, rels: list, views: list) -> list:
-    for rel, view in zip(rels, views):
-        chunkwrite.write_chunk(store.path(rel), view, sync=False, claim=store.claim)   # fsynced by the writer
+def _write_direct(store: Store, rels: list, views: list, claimed: list | None = None) -> list:
+    """Write chunk files (fsynced later, by the writer): over the kept files `claimed` (one per
+    file, already the caller's), else over any kept file of the right size that is left."""
+    for j, (rel, view) in enumerate(zip(rels, views)):
+        claim = store.claim if claimed is None else (lambda _n, old=claimed[j]: old)
+        chunkwrite.write_chunk(store.path(rel), view, sync=False, claim=claim)
     return rels
 
 
 class WriteThrough:
     """`snapshot.copy`'s `through` for a local store: the chunk files of a host-side box (numpy,
-    CPU jax) are written at once, straight from the caller's buffer, on the chunk threads, instead
-    of copying the box and writing the copy later: the state crosses memory once instead of twice.
+    CPU jax) are written at once, straight from the caller's buffer, on the chunk threads, over
+    the files of a step that retention deleted (the steady state of a run with `KeepLast`),
+    instead of copying the box and writing the copy later: the state crosses memory once instead
+    of twice. A box without such files is declined (copied, and written later).
     `copy` waits for these writes before the save returns, so the caller may donate or mutate its
     buffers as usual; the writer then fsyncs the files, commits and retains as for any other box.
 
@@ -341,8 +346,13 @@ class WriteThrough:
         todo = chunkwrite.pieces(rec, box, _to_storage(data, rec["dt"]))
         if todo is None:
             return None
+        # Only over a deleted step's files (`LocalStore.claim`): filling fresh files costs ext4 here
+        # 3-5x the CPU of overwriting cached ones, and the caller would wait for all of it.
+        claimed = self.store.claim_all([v.nbytes + 4 for _, v in todo])
+        if claimed is None:
+            return None
         return self.pool.submit(_write_direct, self.store, [f"{self.staging}/{rec['z']}/{k}" for k, _ in todo],
-                                [v for _, v in todo])
+                                [v for _, v in todo], claimed)
 
 
 def _consume(store, staging, snap, items, arrays, budget, workers):

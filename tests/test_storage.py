@@ -389,3 +389,17 @@ def test_force_resave_replaces_a_committed_step_without_stale_objects(objstore):
     after = step_keys(objstore.keys(), 1)
     assert any(k.startswith("arrays/") for k in before) and not any(k.startswith("arrays/") for k in after)
     assert objstore.keys() == ["commits/step_0000000001"] + [f"step_0000000001/{k}" for k in after]
+
+
+def test_claim_all_takes_a_kept_file_for_every_size_or_none(tmp_path):
+    store = open_store(str(tmp_path / "ck"))
+    with cc.CheckpointManager(store.root) as m:
+        m.save(1, {"a": np.ones((512, 1024), np.float32), "b": np.ones((1024, 1024), np.float32)})
+    store.delete(1, reuse=True)                        # keeps a 2 MiB + 4 and a 4 MiB + 4 chunk file
+    two, four = (2 << 20) + 4, (4 << 20) + 4
+    assert store.claim_all([two, two]) is None         # only one of that size: nothing is taken
+    got = store.claim_all([four, two])
+    assert [os.path.getsize(p) for p in got] == [four, two]
+    assert store.claim(two) is None and store.claim(four) is None
+    store.drop_reusable()
+    assert not [n for n in os.listdir(store.root) if ".del-" in n]

@@ -59,20 +59,25 @@ def test_pooled_buffers_serve_the_next_save_and_every_step_restores_exactly(ckdi
     state, expected = sharded_state(), {}
     mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("a", "b"))
     state["flags"] = jax.device_put(jnp.arange(1024 * 1152).reshape(1024, 1152) % 3 == 0, NamedSharding(mesh, P("a")))
-    with cc.CheckpointManager(ckdir) as m:
-        for k in range(1, 5):
+    with cc.CheckpointManager(ckdir, retention=cc.KeepLast(2)) as m:
+        for k in range(1, 7):
             expected[k] = jax.tree.map(np.asarray, state)
             m.save(k, state)
             state = step(state)          # donates while the save is being written
-            if k == 2:
-                lent = [b.ctypes.data for b in m._pool._lent]
-                # the 4 shards of flags (bool: tensorstore writes them), and b and count; the 8
-                # shards of w were written straight from the device buffers (WriteThrough)
-                assert len(lent) == 4 + 2
+            lent = sorted(b.ctypes.data for b in m._pool._lent)
+            if k == 2:                   # the 8 shards of w, the 4 of flags, b and count
+                assert len(lent) == 8 + 4 + 2
+                lent2 = lent
             if k == 3:                   # save 3 copied into the buffers save 2 had used
-                assert sorted(b.ctypes.data for b in m._pool._lent) == sorted(lent)
+                assert lent == lent2
+            if k >= 4:                   # step k - 3's chunk files were kept for save k: the 8 shards
+                # of w are written over them straight from the device buffers (WriteThrough); flags
+                # (bool: tensorstore writes it), b and count are still copied, into the same buffers
+                assert len(lent) == 4 + 2 and set(lent) <= set(lent2)
+            m._wait() if k == 3 else None   # (as save 4 does first: step 1 is deleted, its files kept)
         m.wait_until_finished()
-        for k in range(1, 5):
+        assert m.all_steps() == [5, 6]
+        for k in (5, 6):
             assert_tree_equal(m.restore(k), expected[k])
     assert m._pool._lent == [] and m._pool._free == {}    # close() frees the buffers
 
@@ -340,21 +345,25 @@ def test_the_manager_keeps_its_writer_threads_from_save_to_save_and_close_ends_t
     assert_tree_equal(cc.CheckpointManager(ckdir, read_only=True).restore(5), {n: a + 5 for n, a in tree.items()})
 
 
-def test_a_small_host_state_is_in_its_chunk_files_when_save_returns(ckdir, monkeypatch):
+def test_a_small_host_state_is_written_over_a_deleted_steps_files_before_save_returns(ckdir, monkeypatch):
     from ckpt_callbacks import format as fmt, writing
     gate = threading.Event()          # holds the writer thread back until the checks below are done
     real = writing._open_arrays
-    monkeypatch.setattr(writing, "_open_arrays", lambda *a, **k: (gate.wait(10), real(*a, **k))[1])
     a = np.arange(512 * 1024, dtype=np.float32).reshape(512, 1024)
     expected = a.copy()
-    with cc.CheckpointManager(ckdir) as m:
-        m.save(1, {"a": a})
-        chunks = [os.path.join(d, f) for d, _, fs in os.walk(ckdir) for f in fs if "/c/" in os.path.join(d, f)]
-        assert len(chunks) == 1 and ".tmp-" in chunks[0]           # written through, not yet committed
+    with cc.CheckpointManager(ckdir, retention=cc.KeepLast(1)) as m:
+        m.save(1, {"a": a + 1})
+        m.save(2, {"a": a + 2})          # deletes step 1, whose chunk file waits for save 3
+        m._wait()
+        monkeypatch.setattr(writing, "_open_arrays", lambda *a, **k: (gate.wait(10), real(*a, **k))[1])
+        m.save(3, {"a": a})
+        chunks = [os.path.join(d, f) for d, _, fs in os.walk(ckdir) for f in fs
+                  if "/c/" in os.path.join(d, f) and ".tmp-" in d]
+        assert len(chunks) == 1                                    # written through, not yet committed
         raw = open(chunks[0], "rb").read()
         assert raw[:-4] == expected.tobytes() and int.from_bytes(raw[-4:], "little") == fmt.crc32c(raw[:-4])
         a[:] = -1                                                  # the caller's buffer is its own again
         gate.set()
         m.wait_until_finished()
-        assert m.all_steps() == [1]
-        np.testing.assert_array_equal(m.restore(1)["a"], expected)
+        assert m.all_steps() == [3]
+        np.testing.assert_array_equal(m.restore(3)["a"], expected)
