@@ -103,7 +103,7 @@ class HostPool:
     ~20 ms on this project's 2-vCPU test machine, against ~3.5 ms for copying them at once into
     warm buffers. Above `max_bytes` (or a save's `ByteBudget` limit) views are kept, so the caller
     is never blocked for long. Buffers of 2 MiB and more are anonymous mappings (page-aligned,
-    transparent huge pages requested).
+    populated when mapped).
 
     Who calls what: `CheckpointManager` owns one. `copy` takes buffers on the caller's thread;
     the manager calls `recycle` after joining the previous save's writer (nothing reads its
@@ -144,12 +144,10 @@ class HostPool:
 def _host_empty(nbytes: int) -> np.ndarray:
     if nbytes < (2 << 20):
         return np.empty(nbytes, np.uint8)
-    m = mmap.mmap(-1, nbytes)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        try:
-            m.madvise(mmap.MADV_HUGEPAGE)
-        except OSError:   # THP disabled: plain pages
-            pass
+    # populated by the mmap call itself: a new 30 MiB buffer costs its first copy ~10 ms here
+    # instead of ~22 ms with a page fault per 4 KiB page
+    populate = getattr(mmap, "MAP_POPULATE", 0)
+    m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | populate)
     return np.frombuffer(m, np.uint8)
 
 
