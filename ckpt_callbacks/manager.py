@@ -456,6 +456,10 @@ class CheckpointManager:
         return False
 
     def __del__(self):
+        workers = getattr(self, "_workers", None)
+        if workers is not None:   # an unclosed manager: its writer threads end with it
+            workers.chunks.shutdown(wait=False)
+            workers.fsync.shutdown(wait=False)
         if getattr(self, "_locked", False) and not getattr(self, "_closed", True):
             try:
                 lock.release(self.store.root)

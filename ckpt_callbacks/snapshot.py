@@ -333,6 +333,16 @@ def _host_bytes(snap: Snapshot) -> int:
     return n + sum(nbytes for i, _, _, nbytes in snap._boxes if _host_side(sources[i]))
 
 
+def _wait_all(futures) -> None:
+    while True:
+        try:
+            concurrent.futures.wait(futures)
+            return
+        except BaseException:  # noqa: BLE001 - e.g. KeyboardInterrupt: wait on, then let it propagate
+            if all(f.done() for f in futures):
+                raise
+
+
 def copy(snap: Snapshot, emit, budget: ByteBudget | None = None, pool: HostPool | None = None,
          through=None) -> None:
     """Copy every leaf this process writes, in order, handing each copy to `emit`.
@@ -398,8 +408,8 @@ def copy(snap: Snapshot, emit, budget: ByteBudget | None = None, pool: HostPool 
                 else:  # a piece of a replicated shard: the slice is a new buffer, taken now
                     data = shard.data[piece]
                 emit(("array", ArrayWrite(i, b, data, nbytes)))
-    finally:
-        concurrent.futures.wait([f for f, _ in pending])   # nothing reads the caller's buffers after this
+    finally:   # nothing reads the caller's buffers after this (not even after a KeyboardInterrupt)
+        _wait_all([f for f, _ in pending])
     for fut, w in pending:
         emit(("written", w, fut))   # done; a failed write fails the save in the writer, as any write
     snap._sources = snap._boxes = None

@@ -19,7 +19,7 @@ Who calls what, in order, for one save (process 0 unless said otherwise):
 Deletion (``delete``) hides the step first (rename to ``.del-``, or marker removed first), then removes
 its bytes, so a half-deleted step is never seen as committed. ``delete(reuse=True)`` (the manager's
 retention, local stores) keeps the hidden step's chunk files for the next save's writers to `claim`
-and overwrite in place; ``drop_reusable`` removes what they left. ``leftovers`` lists only names this
+(``claim_all``: one for each file of a box, or none) and overwrite in place; ``drop_reusable`` removes what they left. ``leftovers`` lists only names this
 package creates (``step_N.tmp-*``, ``step_N.del-*``; object stores: steps whose pending record
 belongs to no live save), and ``remove`` deletes one. Messages never contain an endpoint or a
 credential (``redact``/``scrub``); see docs/storage.md for URLs, credentials and atomicity.
@@ -64,6 +64,10 @@ class Store:
 
     def begin(self, step: int, token: str, lead: bool = True) -> str:
         """`lead` is True on the one process (0) that owns the step's staging and publishes it."""
+        raise NotImplementedError
+
+    def staging(self, step: int, token: str) -> str:
+        """The staging location (relative) that `begin` returns for the save `token` of `step`."""
         raise NotImplementedError
 
     def sync(self, rels: list[str], skip=frozenset(), pool=None) -> None:
@@ -124,9 +128,10 @@ class Store:
 
 
 def _tree(top: str) -> tuple[list[str], list[str]]:
-    """The directories (`top` first) and the files under `top`, symlinks not followed: one
-    ``scandir`` per directory (`os.walk` costs several times more per entry). Nothing if `top`
-    does not exist."""
+    """The directories (`top` first) and the files under `top`: one ``scandir`` per directory
+    (`os.walk` costs several times more per entry). A symlink, even to a directory, is listed as
+    a file; nothing if `top` does not exist; a subdirectory that vanishes or cannot be read
+    raises (unlike `os.walk`): for staging trees, which only this package writes."""
     dirs, files, todo = [], [], [top]
     while todo:
         d = todo.pop()

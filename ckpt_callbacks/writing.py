@@ -14,7 +14,9 @@ Who calls what, in order, on which process (every process runs this function for
   1. ``store.begin`` -> staging location; process 0 creates every zarr array's metadata
      (`_Arrays.create`); barrier.
   2. consume the queue: zarr chunk writes (local stores: `chunkwrite` on the `Workers` pools,
-     straight from the snapshot's buffers; else tensorstore futures) and msgpack blobs of packed leaves,
+     straight from the snapshot's buffers, or already written during the snapshot by
+     `WriteThrough` ("written" items: only fsynced here); else tensorstore futures) and msgpack
+     blobs of packed leaves,
      releasing the byte budget as each lands; then the per-process host-state blob.
   3. ``store.sync`` this process's files (local chunk files are fsynced as each box lands, the
      rest at the end); gather every process's status and packed-leaf checksums.
@@ -112,9 +114,13 @@ def write_and_commit(store: Store, step: int, snap: Snapshot, items, *, coord: C
     packed_info: dict = {}
     mine: list = []
     try:
+        if store.local:   # known up front: `WriteThrough` may have written into it already
+            staging = store.staging(step, token)
         staging = store.begin(step, token, lead=pi == 0)
         arrays = _open_arrays(store, staging, snap, coord, timeout_s, f"meta/{step}/{token}")
         written, files, packed_info, mine, synced = _consume(store, staging, snap, items, arrays, budget, workers)
+        # the zarr.json of an array whose chunks are all another process's: made durable here too
+        mine += [f"{snap.records[i]['z']}/zarr.json" for i in arrays.created if snap.records[i]["z"] not in mine]
         if host_state is not None:
             rel = f"host/p{pi}.msgpack"
             store.write(f"{staging}/{rel}", host_state, sync=False)   # made durable by store.sync below
@@ -217,17 +223,20 @@ class _Arrays:
         # file this process wrote once all are written (one pass, before the commit)
         self.ctx = ts.Context({"file_io_sync": False}) if store.local else None
         self.handles: dict = {}
+        self.created: list = []   # leaves whose zarr.json this process made
 
     def spec(self, i: int) -> dict:
         return zarr_spec(self.store, f"{self.staging}/{self.recs[i]['z']}", self.recs[i])
 
     def create(self, leaves) -> None:
         futs = {}
+        self.created = list(leaves)
         for i in leaves:
             spec = self.spec(i)
             key = json.dumps(spec["metadata"], sort_keys=True) if self.store.local else None
-            if key in _ZARR_JSON:
-                self.store.write(f"{self.staging}/{self.recs[i]['z']}/zarr.json", _ZARR_JSON[key], sync=False)
+            cached = _ZARR_JSON.get(key) if key is not None else None
+            if cached is not None:
+                self.store.write(f"{self.staging}/{self.recs[i]['z']}/zarr.json", cached, sync=False)
             else:
                 futs[i] = (key, ts.open(spec, create=True, open=True, context=self.ctx))
         for i, (key, fut) in futs.items():
@@ -332,10 +341,12 @@ class WriteThrough:
     `copy` waits for these writes before the save returns, so the caller may donate or mutate its
     buffers as usual; the writer then fsyncs the files, commits and retains as for any other box.
 
-    Who calls what: `CheckpointManager.save` builds one per save (every process; only where the
-    snapshot goes to its HostPool, i.e. small host-side states) and hands it to `snapshot.copy`
-    on the caller's thread; the files land in the staging directory that the writer thread's
-    ``store.begin`` names (created by whichever comes first)."""
+    Who calls what: `CheckpointManager.save` builds one per save (local stores, every process;
+    it acts only where the snapshot goes to the HostPool, i.e. small host-side states, and only
+    over files kept by this process's store: retention deletes on process 0, so with several
+    processes the others decline every box) and hands it to `snapshot.copy` on the caller's
+    thread; the files land in the staging directory that the writer thread's ``store.begin``
+    names (created by whichever comes first)."""
 
     def __init__(self, store: Store, step: int, token: str, snap: Snapshot, workers: Workers):
         self.store, self.snap, self.pool = store, snap, workers.chunks
