@@ -354,8 +354,9 @@ def copy(snap: Snapshot, emit, budget: ByteBudget | None = None, pool: HostPool 
     (`writing.WriteThrough`, local stores) is offered each host-side box of an array leaf first:
     it returns a future of the files it writes from the caller's buffer, or None (then the box is
     copied). `copy` waits for those futures and emits ``("written", ArrayWrite(leaf, box, None,
-    nbytes), future)`` for each (the writer takes a failure as its own). Drops the snapshot's references to the caller's buffers and waits
-    for everything that reads them before returning (also when it raises).
+    nbytes), future)`` for each (the writer takes a failure as its own). Drops the snapshot's
+    references to the caller's buffers and waits for everything that reads them before returning
+    (also when it raises).
     """
     sources, pi = snap._sources, snap.process_index
     if pool is not None:
@@ -401,8 +402,10 @@ def copy(snap: Snapshot, emit, budget: ByteBudget | None = None, pool: HostPool 
                     continue
                 if budget:
                     budget.acquire(nbytes)
-                if view is not None:
-                    data = eager(view) if eager else (view if isinstance(x, jax.Array) else np.array(view, copy=True))
+                if view is not None and eager:
+                    data = eager(view)
+                elif view is not None:   # a CPU jax view keeps its value (see `_on_cpu`); numpy is mutable
+                    data = view if isinstance(x, jax.Array) else np.array(view, copy=True)
                 elif sbox == b:
                     data = jax.device_put(shard.data, shard.device, may_alias=False)
                 else:  # a piece of a replicated shard: the slice is a new buffer, taken now

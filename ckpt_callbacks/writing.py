@@ -120,7 +120,8 @@ def write_and_commit(store: Store, step: int, snap: Snapshot, items, *, coord: C
         arrays = _open_arrays(store, staging, snap, coord, timeout_s, f"meta/{step}/{token}")
         written, files, packed_info, mine, synced = _consume(store, staging, snap, items, arrays, budget, workers)
         # the zarr.json of an array whose chunks are all another process's: made durable here too
-        mine += [f"{snap.records[i]['z']}/zarr.json" for i in arrays.created if snap.records[i]["z"] not in mine]
+        written_to = set(mine)
+        mine += [f"{snap.records[i]['z']}/zarr.json" for i in arrays.created if snap.records[i]["z"] not in written_to]
         if host_state is not None:
             rel = f"host/p{pi}.msgpack"
             store.write(f"{staging}/{rel}", host_state, sync=False)   # made durable by store.sync below
