@@ -35,7 +35,7 @@ import numpy as np
 from . import format as fmt
 from . import layout
 
-__all__ = ["pieces", "write_chunk"]
+__all__ = ["pieces", "file_bytes", "write_chunk"]
 
 
 def pieces(rec: dict, box, data: np.ndarray) -> list | None:
@@ -57,6 +57,11 @@ def pieces(rec: dict, box, data: np.ndarray) -> list | None:
     return out
 
 
+def file_bytes(view: np.ndarray) -> int:
+    """The size of the chunk file holding `view`: its bytes and their 4-byte CRC-32C."""
+    return view.nbytes + 4
+
+
 def write_chunk(path: str, view: np.ndarray, sync: bool = True, claim=None) -> None:
     """Create the chunk file at `path` (and its directory) holding `view`'s bytes and their
     CRC-32C; fsync it when `sync` (the writer fsyncs on other threads, so that writing goes on
@@ -67,11 +72,11 @@ def write_chunk(path: str, view: np.ndarray, sync: bool = True, claim=None) -> N
     raw = memoryview(view.reshape(-1).view(np.uint8))
     bufs = [raw, fmt.crc32c(raw).to_bytes(4, "little")]
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    fd = _reuse(path, len(raw) + 4, claim) if claim is not None else None
+    fd = _reuse(path, file_bytes(view), claim) if claim is not None else None
     if fd is None:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        left = len(raw) + 4
+        left = file_bytes(view)
         while left:
             n = os.writev(fd, bufs)   # may write less than asked: go on from where it stopped
             left -= n

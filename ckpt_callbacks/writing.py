@@ -324,6 +324,15 @@ class _EarlySync:
         return self.done
 
 
+def _direct(staging: str, rec: dict, box, data: np.ndarray) -> tuple[list, list] | None:
+    """The chunk files (relative paths) of `box` and the views of `data` they hold, or None where
+    `chunkwrite` cannot write them byte for byte."""
+    todo = chunkwrite.pieces(rec, box, data)
+    if todo is None:
+        return None
+    return [f"{staging}/{rec['z']}/{k}" for k, _ in todo], [v for _, v in todo]
+
+
 def _write_direct(store: Store, rels: list, views: list, claimed: list | None = None) -> list:
     """Write chunk files (fsynced later, by the writer): over the kept files `claimed` (one per
     file, already the caller's), else over any kept file of the right size that is left."""
@@ -355,16 +364,16 @@ class WriteThrough:
 
     def __call__(self, leaf: int, box, data: np.ndarray):
         rec = self.snap.records[leaf]
-        todo = chunkwrite.pieces(rec, box, _to_storage(data, rec["dt"]))
-        if todo is None:
+        direct = _direct(self.staging, rec, box, _to_storage(data, rec["dt"]))
+        if direct is None:
             return None
+        rels, views = direct
         # Only over a deleted step's files (`LocalStore.claim`): filling fresh files costs ext4 here
         # 3-5x the CPU of overwriting cached ones, and the caller would wait for all of it.
-        claimed = self.store.claim_all([v.nbytes + 4 for _, v in todo])
+        claimed = self.store.claim_all([chunkwrite.file_bytes(v) for v in views])
         if claimed is None:
             return None
-        return self.pool.submit(_write_direct, self.store, [f"{self.staging}/{rec['z']}/{k}" for k, _ in todo],
-                                [v for _, v in todo], claimed)
+        return self.pool.submit(_write_direct, self.store, rels, views, claimed)
 
 
 def _consume(store, staging, snap, items, arrays, budget, workers):
@@ -428,10 +437,10 @@ def _consume(store, staging, snap, items, arrays, budget, workers):
             w = item[1]
             rec = snap.records[w.leaf]
             data = _to_storage(np.asarray(w.data), rec["dt"])
-            todo = chunkwrite.pieces(rec, w.box, data) if direct else None
+            todo = _direct(staging, rec, w.box, data) if direct else None
             if todo is not None:
-                rels = [f"{staging}/{rec['z']}/{k}" for k, _ in todo]
-                fut = direct.submit(_write_direct, store, rels, [v for _, v in todo])
+                rels, views = todo
+                fut = direct.submit(_write_direct, store, rels, views)
             else:
                 rels = [f"{staging}/{rec['z']}/{fmt.chunk_key(idx)}"
                         for idx in layout.chunks_of(w.box, rec["ch"])] if early else []
