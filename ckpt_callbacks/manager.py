@@ -199,7 +199,10 @@ class CheckpointManager:
         self._thread = threading.Thread(target=run, name=f"ckpt_callbacks-save-{step}", daemon=True)
         self._thread.start()
         try:
-            through = WriteThrough(self.store, step, token, snap, self._workers) if self.store.local else None
+            # write-through overwrites cached pages; on disk the pool's page-aligned copies go by O_DIRECT
+            # instead, and leave no page cache for a later save to overwrite
+            through = (WriteThrough(self.store, step, token, snap, self._workers)
+                       if self.store.local and not self.store.direct_io else None)
             snapshot.copy(snap, items.put, budget, self._pool, through)
         except BaseException as e:
             items.put(("abort", e))

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
+import re
 import shutil
 import stat
 import threading
@@ -46,6 +47,7 @@ class Store:
 
     url: str
     local: bool
+    direct_io: bool = False   # chunk files may bypass the page cache (``O_DIRECT``; LocalStore on disk)
 
     def kvstore(self, rel: str) -> dict:
         raise NotImplementedError
@@ -148,6 +150,26 @@ def _tree(top: str) -> tuple[list[str], list[str]]:
     return dirs, files
 
 
+_MEMORY_FS = {"tmpfs", "ramfs", "devtmpfs", "hugetlbfs"}
+
+
+def _fs_type(path: str) -> str:
+    """The type of the file system holding `path` (or its nearest existing parent), from
+    /proc/self/mounts ("" where that is not readable, e.g. not Linux)."""
+    target = os.fsencode(os.path.realpath(path))
+    try:
+        with open("/proc/self/mounts", "rb") as f:
+            mounts = [line.split()[1:3] for line in f]
+    except OSError:
+        return ""
+    best, kind = b"", ""
+    for point, fs in mounts:
+        point = re.sub(rb"\\([0-7]{3})", lambda m: bytes([int(m.group(1), 8)]), point)   # "\040" is a space
+        if (target == point or target.startswith(point.rstrip(b"/") + b"/")) and len(point) >= len(best):
+            best, kind = point, os.fsdecode(fs)
+    return kind
+
+
 def _fsync_path(path: str, directory: bool = False) -> None:
     fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
     try:
@@ -164,6 +186,9 @@ class LocalStore(Store):
     def __init__(self, root: str):
         self.root = os.path.abspath(root)
         self.url = self.root
+        # on disk, page-aligned chunk buffers are written with O_DIRECT (chunkwrite); a memory file
+        # system (tmpfs) has no device to go to: its page cache is the storage
+        self.direct_io = _fs_type(self.root) not in _MEMORY_FS
         self._kept: list[str] = []              # hidden (.del-) step directories kept for reuse
         self._pool: dict[int, list[str]] = {}   # their chunk files by size
         self._pool_lock = threading.Lock()

@@ -338,7 +338,7 @@ def _write_direct(store: Store, rels: list, views: list, claimed: list | None = 
     file, already the caller's), else over any kept file of the right size that is left."""
     for j, (rel, view) in enumerate(zip(rels, views)):
         claim = store.claim if claimed is None else (lambda _n, old=claimed[j]: old)
-        chunkwrite.write_chunk(store.path(rel), view, sync=False, claim=claim)
+        chunkwrite.write_chunk(store.path(rel), view, sync=False, claim=claim, direct=store.direct_io)
     return rels
 
 

@@ -1,5 +1,9 @@
 """Chunk files written straight from the snapshot's buffers: byte-identical to tensorstore's."""
 
+import ctypes
+import errno
+import fcntl
+import mmap
 import os
 
 import jax
@@ -59,8 +63,8 @@ def test_what_cannot_be_written_byte_for_byte_is_left_to_tensorstore(why, rec, b
 
 
 def test_short_writes_are_continued(tmp_path, monkeypatch):
-    real = os.writev
-    monkeypatch.setattr(os, "writev", lambda fd, bufs: real(fd, [memoryview(bufs[0])[:1000]]))
+    real = os.pwritev
+    monkeypatch.setattr(os, "pwritev", lambda fd, bufs, off: real(fd, [memoryview(bufs[0])[:1000]], off))
     x = random_array((64, 48), "float32", 2)
     chunkwrite.write_chunk(str(tmp_path / "c" / "0" / "0"), x)
     data = open(tmp_path / "c" / "0" / "0", "rb").read()
@@ -119,3 +123,106 @@ def test_a_claimed_file_is_overwritten_in_place_only_when_safe(tmp_path, offer):
         os.close(held)
     if offer == "hard link":
         assert open(str(tmp_path / "backup"), "rb").read() == b"\0" * len(expected)
+
+
+def page_aligned(x: np.ndarray) -> np.ndarray:
+    """A copy of `x` in an anonymous mapping, page-aligned like snapshot.HostPool's buffers."""
+    out = np.frombuffer(mmap.mmap(-1, max(x.nbytes, 1)), x.dtype, count=x.size).reshape(x.shape)
+    out[...] = x
+    return out
+
+
+def resident_pages(path: str) -> int:
+    """How many of the file's pages are in the page cache (mincore of a read-only mapping)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    size = os.path.getsize(path)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        assert addr not in (None, ctypes.c_void_p(-1).value)
+        vec = ctypes.create_string_buffer(-(-size // mmap.PAGESIZE))
+        try:
+            assert libc.mincore(addr, size, vec) == 0
+        finally:
+            libc.munmap(addr, size)
+    finally:
+        os.close(fd)
+    return sum(b & 1 for b in vec.raw)
+
+
+def spy_direct(monkeypatch) -> list:
+    """Record, for each pwrite, the bytes asked for and whether the fd had O_DIRECT set then."""
+    seen, real = [], os.pwrite
+    monkeypatch.setattr(os, "pwrite", lambda fd, data, off: (
+        seen.append((len(data), bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT))), real(fd, data, off))[1])
+    return seen
+
+
+def expected_file(x: np.ndarray) -> bytes:
+    return x.tobytes() + fmt.crc32c(x).to_bytes(4, "little")
+
+
+@pytest.mark.parametrize("shape,dtype", [((1024, 1024), "float32"),   # whole 4 KiB blocks only
+                                         ((1000, 1001), "uint8"),     # blocks, then a tail
+                                         ((10, 10), "float32")])     # under one block: no O_DIRECT
+def test_page_aligned_chunks_go_to_the_device_without_the_page_cache(tmp_path, monkeypatch, shape, dtype):
+    x = page_aligned(random_array(shape, dtype, 7))
+    seen = spy_direct(monkeypatch)
+    path = str(tmp_path / "c" / "0")
+    chunkwrite.write_chunk(path, x, direct=True)
+    blocks = x.nbytes - x.nbytes % chunkwrite.DIRECT_ALIGN
+    assert seen == ([(blocks, True)] if blocks else [])
+    if blocks and open_store(str(tmp_path)).direct_io:   # on disk: only the page of the tail (and CRC) is cached
+        assert resident_pages(path) <= 1
+    assert open(path, "rb").read() == expected_file(x)
+
+
+def test_unaligned_or_undirected_chunks_go_through_the_page_cache(tmp_path, monkeypatch):
+    x = page_aligned(random_array((1024, 1025), "float32", 8))
+    seen = spy_direct(monkeypatch)
+    for k, (view, direct) in enumerate([(x[:, 1:], True), (x[1:], True), (x, False)]):
+        view = np.ascontiguousarray(view) if not view.flags.c_contiguous else view
+        chunkwrite.write_chunk(str(tmp_path / f"c{k}"), view, direct=direct)
+        assert open(tmp_path / f"c{k}", "rb").read() == expected_file(view)
+    assert seen == []   # x[1:] starts 4100 bytes into the mapping: not aligned
+
+
+@pytest.mark.parametrize("refusal", ["fcntl", "pwrite", "short"])
+def test_a_refused_or_short_direct_write_falls_back_to_the_page_cache(tmp_path, monkeypatch, refusal):
+    x = page_aligned(random_array((512, 1024), "float32", 9))
+    real_fcntl, real_pwrite = fcntl.fcntl, os.pwrite
+
+    def no_direct_flag(fd, cmd, arg=0):
+        if cmd == fcntl.F_SETFL and arg & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_fcntl(fd, cmd, arg)
+
+    def pwrite(fd, data, off):
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            if refusal == "pwrite":
+                raise OSError(errno.EINVAL, "Invalid argument")
+            return real_pwrite(fd, memoryview(data)[:3 * 4096 + 100], off)   # ends off the block grid
+        return real_pwrite(fd, data, off)
+
+    if refusal == "fcntl":
+        monkeypatch.setattr(chunkwrite.fcntl, "fcntl", no_direct_flag)
+    monkeypatch.setattr(os, "pwrite", pwrite)
+    path = str(tmp_path / "c" / "0")
+    chunkwrite.write_chunk(path, x, direct=True)
+    assert open(path, "rb").read() == expected_file(x)
+    assert not fcntl.fcntl(os.open(path, os.O_RDONLY), fcntl.F_GETFL) & os.O_DIRECT
+
+
+def test_a_failed_direct_write_fails_the_chunk(tmp_path, monkeypatch):
+    x = page_aligned(random_array((512, 1024), "float32", 10))
+
+    def full(fd, data, off):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "pwrite", full)
+    with pytest.raises(OSError, match="No space"):
+        chunkwrite.write_chunk(str(tmp_path / "c" / "0"), x, direct=True)

@@ -20,7 +20,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import ckpt_callbacks as cc
-from ckpt_callbacks import objectstore, snapshot, writing
+from ckpt_callbacks import objectstore, snapshot, storage, writing
 from ckpt_callbacks.storage import open_store
 from helpers import assert_tree_equal
 from objstore import SECRETS, gcs_server, objstore, objstore_env, s3_server  # noqa: F401 (fixtures)
@@ -403,3 +403,19 @@ def test_claim_all_takes_a_kept_file_for_every_size_or_none(tmp_path):
     assert store.claim(two) is None and store.claim(four) is None
     store.drop_reusable()
     assert not [n for n in os.listdir(store.root) if ".del-" in n]
+
+
+def test_a_local_store_bypasses_the_page_cache_only_on_a_device(tmp_path):
+    mnt = tmp_path / "a tmpfs"          # /proc/self/mounts writes the space as \040
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+    try:
+        assert storage._fs_type(str(mnt / "ck" / "not yet")) == "tmpfs"
+        assert open_store(str(mnt / "ck")).direct_io is False
+        beside = storage._fs_type(str(tmp_path / "ck"))
+        assert beside and beside == storage._fs_type(str(tmp_path))   # (ck does not exist yet)
+        assert open_store(str(tmp_path / "ck")).direct_io is (beside not in storage._MEMORY_FS)
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
