@@ -343,15 +343,17 @@ def _write_direct(store: Store, rels: list, views: list, claimed: list | None = 
 
 
 class WriteThrough:
-    """`snapshot.copy`'s `through` for a local store: the chunk files of a host-side box (numpy,
-    CPU jax) are written at once, straight from the caller's buffer, on the chunk threads, over
-    the files of a step that retention deleted (the steady state of a run with `KeepLast`),
-    instead of copying the box and writing the copy later: the state crosses memory once instead
-    of twice. A box without such files is declined (copied, and written later).
+    """`snapshot.copy`'s `through` for a local store on a memory file system (not
+    ``store.direct_io``: on a disk the pool's copies go by O_DIRECT and leave no cached pages to
+    overwrite): the chunk files of a host-side box (numpy, CPU jax) are written at once, straight
+    from the caller's buffer, on the chunk threads, over the files of a step that retention
+    deleted (the steady state of a run with `KeepLast`), instead of copying the box and writing
+    the copy later: the state crosses memory once instead of twice. A box without such files is
+    declined (copied, and written later).
     `copy` waits for these writes before the save returns, so the caller may donate or mutate its
     buffers as usual; the writer then fsyncs the files, commits and retains as for any other box.
 
-    Who calls what: `CheckpointManager.save` builds one per save (local stores, every process;
+    Who calls what: `CheckpointManager.save` builds one per save (such stores, every process;
     it acts only where the snapshot goes to the HostPool, i.e. small host-side states, and only
     over files kept by this process's store: retention deletes on process 0, so with several
     processes the others decline every box) and hands it to `snapshot.copy` on the caller's
