@@ -225,7 +225,7 @@ class CheckpointManager:
             try:
                 # the chunk files of steps deleted after the previous save were there for this
                 # save to overwrite (storage.LocalStore.claim); what it did not take goes now
-                self.store.drop_reusable()
+                self.store.drop_reusable(self._workers and self._workers.fsync)
                 infos = self._step_infos()
                 keep = decide(self.policies, infos)
                 for s in sorted(i.step for i in infos if i.step not in keep):
@@ -277,7 +277,7 @@ class CheckpointManager:
         try:
             self._wait()
         finally:
-            self.store.drop_reusable()
+            self.store.drop_reusable(self._workers and self._workers.fsync)
 
     @property
     def last_stats(self) -> SaveStats | None:
@@ -442,11 +442,13 @@ class CheckpointManager:
             self._wait()
         finally:
             self._closed = True
-            if self._workers is not None:
-                self._workers.close()
-                self._workers = None
-            self._pool.clear(background=True)
-            self.store.drop_reusable()
+            try:
+                self.store.drop_reusable(self._workers and self._workers.fsync)
+            finally:
+                if self._workers is not None:
+                    self._workers.close()
+                    self._workers = None
+                self._pool.clear(background=True)
             if self._locked:
                 lock.release(self.store.root)
                 self._locked = False

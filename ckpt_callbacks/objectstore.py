@@ -221,7 +221,7 @@ class ObjectStore(Store):
             self._delete_prefix(name + "/")
         return name
 
-    def publish(self, staging: str, step: int, replace: bool = False) -> None:
+    def publish(self, staging: str, step: int, replace: bool = False, pool=None) -> None:
         name = fmt.step_name(step)
         token = self._mine.get(name)
         if token is not None:

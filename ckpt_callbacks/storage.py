@@ -78,7 +78,8 @@ class Store:
         """Make the given files and trees durable (`skip`: relative paths of files already synced;
         `pool`: an executor the backend may run fsyncs on)."""
 
-    def publish(self, staging: str, step: int, replace: bool = False) -> None:
+    def publish(self, staging: str, step: int, replace: bool = False, pool=None) -> None:
+        """Make `staging` the committed step `step` (`pool`: as for `sync`)."""
         raise NotImplementedError
 
     def delete(self, step: int, reuse: bool = False) -> None:
@@ -94,8 +95,9 @@ class Store:
         """A kept chunk file for each of `sizes` (as `claim`), or None and nothing claimed."""
         return None
 
-    def drop_reusable(self) -> None:
-        """Delete the files kept by ``delete(reuse=True)`` that no save claimed."""
+    def drop_reusable(self, pool=None) -> None:
+        """Delete the files kept by ``delete(reuse=True)`` that no save claimed (`pool`: as for
+        `sync`)."""
 
     def leftovers(self) -> list[str]:
         raise NotImplementedError
@@ -128,6 +130,27 @@ class Store:
         return None
 
     def check_writable(self) -> None:
+        pass
+
+
+def _each(fn, items: list, pool=None) -> None:
+    """`fn` on every item: on `pool`'s threads (or, without one, on threads started for the call)
+    when there are several, for calls that wait on the device and release the GIL. Re-raises the
+    first failure once all have run. Never call it on a thread of `pool`."""
+    if len(items) > 1 and pool is not None:
+        list(pool.map(fn, items))
+    elif len(items) > 1:
+        with concurrent.futures.ThreadPoolExecutor(max_workers=min(16, len(items))) as threads:
+            list(threads.map(fn, items))
+    else:
+        for x in items:
+            fn(x)
+
+
+def _unlink_quiet(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:   # gone already, or not ours to remove: rmtree tries again and ignores it
         pass
 
 
@@ -260,23 +283,13 @@ class LocalStore(Store):
             except FileNotFoundError:  # another process's temporary file, renamed meanwhile
                 pass
 
-        if len(files) > 1 and pool is not None:
-            list(pool.map(one, files))  # re-raises the first failure: the save aborts
-        elif len(files) > 1:
-            with concurrent.futures.ThreadPoolExecutor(max_workers=min(16, len(files))) as threads:
-                list(threads.map(one, files))
-        else:
-            for f in files:
-                one(f)
+        _each(one, files, pool)   # re-raises the first failure: the save aborts
 
-    def _sync_dirs(self, rel: str) -> None:
-        """fsync every directory of a staging tree (the writers fsynced their own files)."""
-        for d in _tree(self.path(rel))[0]:
-            _fsync_path(d, directory=True)
-
-    def publish(self, staging: str, step: int, replace: bool = False) -> None:
+    def publish(self, staging: str, step: int, replace: bool = False, pool=None) -> None:
         final = self.path(fmt.step_name(step))
-        self._sync_dirs(staging)
+        # every directory of the staging tree (the writers fsynced their own files); on a file
+        # system without a journal each is a synchronous metadata write: several at once
+        _each(lambda d: _fsync_path(d, directory=True), _tree(self.path(staging))[0], pool)
         old = None
         if os.path.exists(final):
             if not replace:
@@ -336,9 +349,17 @@ class LocalStore(Store):
                 return None
             return [self._pool[n].pop() for n in sizes]
 
-    def drop_reusable(self) -> None:
+    def drop_reusable(self, pool=None) -> None:
         with self._pool_lock:
             kept, self._kept, self._pool = self._kept, [], {}
+        files = []
+        for hidden in kept:
+            try:
+                files += _tree(self.path(hidden))[1]
+            except OSError:   # (only ours write there) rmtree below removes what is left
+                pass
+        # unlinks first, several at once: with `discard` each one waits for the device
+        _each(_unlink_quiet, files, pool)
         for hidden in kept:
             shutil.rmtree(self.path(hidden), ignore_errors=True)
 

@@ -153,7 +153,7 @@ def write_and_commit(store: Store, step: int, snap: Snapshot, items, *, coord: C
             try:
                 manifest = _manifest(step, snap, statuses, metrics, extra)
                 store.write(f"{staging}/{fmt.MANIFEST}", fmt.pack_manifest(manifest))
-                store.publish(staging, step, replace=replace)
+                store.publish(staging, step, replace=replace, pool=workers and workers.fsync)
             except BaseException as e:  # noqa: BLE001
                 failures[0] = f"{type(e).__name__}: {e}"
                 error = error or e

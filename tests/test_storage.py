@@ -6,6 +6,7 @@ objects, a SIGKILLed save that stays invisible and is cleaned later, which lefto
 cleanup spares, a server outage mid-save, and that endpoints/credentials never leak.
 """
 
+import concurrent.futures
 import logging
 import os
 import queue
@@ -103,7 +104,7 @@ def tree(s):
 m = cc.CheckpointManager(url, async_save=False)
 for s in (1, 2, 3):
     m.save(s, tree(s))
-def die(self, staging, step, replace=False):   # all bytes and the manifest are written: die now
+def die(self, staging, step, replace=False, pool=None):   # all bytes and the manifest are written: die now
     os.kill(os.getpid(), signal.SIGKILL)
 objectstore.ObjectStore.publish = die
 m.save(4, tree(4))
@@ -403,6 +404,29 @@ def test_claim_all_takes_a_kept_file_for_every_size_or_none(tmp_path):
     assert store.claim(two) is None and store.claim(four) is None
     store.drop_reusable()
     assert not [n for n in os.listdir(store.root) if ".del-" in n]
+
+
+def test_kept_files_nobody_claimed_are_deleted_on_the_pool_given(tmp_path):
+    store = open_store(str(tmp_path / "ck"))
+    with cc.CheckpointManager(store.root) as m:
+        for s in (1, 2):
+            m.save(s, {f"a{i}": np.full((512, 1024), i, np.float32) for i in range(6)})
+    store.delete(1, reuse=True)
+    store.delete(2, reuse=True)
+    assert store.claim((2 << 20) + 4)                  # one file taken: the rest is still kept
+    left = sum(len(fs) for _, _, fs in os.walk(store.root))
+    unlinked, real = [], os.unlink
+    with concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="given") as pool:
+        def unlink(path):
+            unlinked.append(threading.current_thread().name)
+            real(path)
+        storage.os.unlink = unlink
+        try:
+            store.drop_reusable(pool)
+        finally:
+            storage.os.unlink = real
+    assert len(unlinked) == left > 2 * 6 and all(n.startswith("given") for n in unlinked)
+    assert os.listdir(store.root) == []
 
 
 def test_a_local_store_bypasses_the_page_cache_only_on_a_device(tmp_path):

@@ -158,10 +158,10 @@ def test_one_save_in_flight(ckdir):
     order = []
 
     class Slow(storage.LocalStore):
-        def publish(self, staging, step, replace=False):
+        def publish(self, staging, step, replace=False, pool=None):
             order.append(("publish-start", step))
             time.sleep(0.3)
-            super().publish(staging, step, replace)
+            super().publish(staging, step, replace, pool)
             order.append(("publish-end", step))
 
     with cc.CheckpointManager(ckdir) as m:
