@@ -14,9 +14,10 @@ array's zarr.json)::
 A chunk file of the format is the chunk's raw little-endian C-order bytes followed by their
 CRC-32C (zarr3 ``bytes`` + ``crc32c`` codecs; see writing.zarr_spec and chunkread). After the
 snapshot, a shard that a CPU device holds is a numpy view of the device's own buffer, and each of
-its chunks a contiguous piece of it: `write_chunk` writes the file with one ``pwritev`` straight
-from that view (with ``O_DIRECT`` where the store allows it and the view is page-aligned). Tensorstore would first copy every chunk into a buffer of its own,
-and on small machines fresh memory is the dearest part of a save. Tensorstore still creates every
+its chunks a contiguous piece of it: `write_chunk` writes the file straight from that view, with
+one ``pwritev`` (on a disk, a page-aligned view's whole 4 KiB blocks first, with ``O_DIRECT``).
+Tensorstore would first copy every chunk into a buffer of its own, and on small machines fresh
+memory is the dearest part of a save. Tensorstore still creates every
 array's zarr.json and writes what this module declines (`pieces` returns None): chunks padded at
 the array's edge, data that is not C-contiguous or not little-endian, bool; and object stores.
 
@@ -66,7 +67,7 @@ def file_bytes(view: np.ndarray) -> int:
     return view.nbytes + 4
 
 
-def write_chunk(path: str, view: np.ndarray, sync: bool = True, claim=None, direct: bool = False) -> None:
+def write_chunk(path: str, view: np.ndarray, sync: bool = True, claim=None, direct: bool = False) -> bool:
     """Create the chunk file at `path` (and its directory) holding `view`'s bytes and their
     CRC-32C; fsync it when `sync` (the writer fsyncs on other threads, so that writing goes on
     meanwhile; directories are fsynced with the whole staging tree at commit). `claim` (e.g.
@@ -74,7 +75,9 @@ def write_chunk(path: str, view: np.ndarray, sync: bool = True, claim=None, dire
     `path` and overwritten in place, unless it is no longer a plain file with one link (a hard
     link elsewhere, e.g. a backup, is never written through). `direct` (``LocalStore.direct_io``):
     the whole 4 KiB blocks of a page-aligned `view` go to the device with ``O_DIRECT``, without
-    the page cache (`_write_direct_blocks`); the rest, and the CRC, through the page cache."""
+    the page cache (`_write_direct_blocks`); the rest, and the CRC, through the page cache.
+    Returns False when `direct` was asked for and the file system refused it (the caller may
+    stop asking), else True."""
     flat = view.reshape(-1).view(np.uint8)
     raw = memoryview(flat)
     crc = fmt.crc32c(raw).to_bytes(4, "little")
@@ -83,10 +86,12 @@ def write_chunk(path: str, view: np.ndarray, sync: bool = True, claim=None, dire
     if fd is None:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        off = _write_direct_blocks(fd, raw, flat.ctypes.data) if direct else 0
+        off, refused = _write_direct_blocks(fd, raw, flat.ctypes.data) if direct else (0, False)
         bufs = [b for b in (raw[off:], memoryview(crc)) if len(b)]
         while bufs:   # pwritev may write less than asked: go on from where it stopped
             n = os.pwritev(fd, bufs, off)
+            if not n:
+                raise OSError(errno.EIO, f"writing {path} made no progress")
             off += n
             while n:
                 k = min(n, len(bufs[0]))
@@ -97,13 +102,14 @@ def write_chunk(path: str, view: np.ndarray, sync: bool = True, claim=None, dire
             os.fsync(fd)   # an error here aborts the save: never retried
     finally:
         os.close(fd)
+    return not refused
 
 
-def _write_direct_blocks(fd: int, raw: memoryview, address: int) -> int:
+def _write_direct_blocks(fd: int, raw: memoryview, address: int) -> tuple[int, bool]:
     """Write the leading whole `DIRECT_ALIGN` blocks of `raw` (at `address` in memory) to offset 0
     of `fd` with ``O_DIRECT`` when `address` is block-aligned; return how many bytes were written
-    (0 where the buffer is not aligned or the file system refuses direct I/O: the caller writes
-    the rest through the page cache).
+    (0 where the buffer is not aligned) and whether the file system refused direct I/O. The
+    caller writes the rest through the page cache.
 
     Why: a page-aligned `snapshot.HostPool` buffer goes from memory to the device without
     filling new page-cache pages, which on a VM whose host takes back freed memory cost ~8x the
@@ -111,13 +117,15 @@ def _write_direct_blocks(fd: int, raw: memoryview, address: int) -> int:
     The file is fsynced as usual afterwards: ``O_DIRECT`` alone does not make it durable."""
     body = len(raw) - len(raw) % DIRECT_ALIGN
     if not body or address % DIRECT_ALIGN or not hasattr(os, "O_DIRECT"):
-        return 0
+        return 0, False
     flags = fcntl.fcntl(fd, fcntl.F_GETFL)
     try:
         fcntl.fcntl(fd, fcntl.F_SETFL, flags | os.O_DIRECT)
-    except OSError:
-        return 0
-    off = 0
+    except OSError as e:
+        if e.errno not in _REFUSED:
+            raise
+        return 0, True
+    off, refused = 0, False
     try:
         while off < body:
             n = os.pwrite(fd, raw[off:body], off)
@@ -125,13 +133,17 @@ def _write_direct_blocks(fd: int, raw: memoryview, address: int) -> int:
             if not n or n % DIRECT_ALIGN:   # a short write off the block grid: the rest goes buffered
                 break
     except OSError as e:
-        if e.errno != errno.EINVAL:
+        if e.errno not in _REFUSED:
             raise
         # refused (this file system takes no O_DIRECT, or wants a larger alignment): from `off`,
         # a multiple of DIRECT_ALIGN, the page cache writes the rest
+        refused = True
     finally:
         fcntl.fcntl(fd, fcntl.F_SETFL, flags)
-    return off
+    return off, refused
+
+
+_REFUSED = {errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP}   # no direct I/O here, or not this alignment
 
 
 def _reuse(path: str, nbytes: int, claim) -> int | None:

@@ -199,8 +199,8 @@ class CheckpointManager:
         self._thread = threading.Thread(target=run, name=f"ckpt_callbacks-save-{step}", daemon=True)
         self._thread.start()
         try:
-            # write-through overwrites cached pages; on disk the pool's page-aligned copies go by O_DIRECT
-            # instead, and leave no page cache for a later save to overwrite
+            # write-through overwrites cached pages; on a disk the pool's page-aligned copies go by
+            # O_DIRECT instead, and leave (almost) no page cache for a later save to overwrite
             through = (WriteThrough(self.store, step, token, snap, self._workers)
                        if self.store.local and not self.store.direct_io else None)
             snapshot.copy(snap, items.put, budget, self._pool, through)
@@ -445,13 +445,15 @@ class CheckpointManager:
             try:
                 self.store.drop_reusable(self._workers and self._workers.fsync)
             finally:
-                if self._workers is not None:
-                    self._workers.close()
-                    self._workers = None
-                self._pool.clear(background=True)
-            if self._locked:
-                lock.release(self.store.root)
-                self._locked = False
+                try:
+                    if self._workers is not None:
+                        self._workers.close()
+                        self._workers = None
+                    self._pool.clear(background=True)
+                finally:
+                    if self._locked:   # whatever failed above, the directory is free again
+                        lock.release(self.store.root)
+                        self._locked = False
 
     def __enter__(self):
         return self

@@ -135,16 +135,35 @@ class Store:
 
 def _each(fn, items: list, pool=None) -> None:
     """`fn` on every item: on `pool`'s threads (or, without one, on threads started for the call)
-    when there are several, for calls that wait on the device and release the GIL. Re-raises the
-    first failure once all have run. Never call it on a thread of `pool`."""
-    if len(items) > 1 and pool is not None:
-        list(pool.map(fn, items))
-    elif len(items) > 1:
-        with concurrent.futures.ThreadPoolExecutor(max_workers=min(16, len(items))) as threads:
-            list(threads.map(fn, items))
-    else:
+    when there are several, for calls that wait on the device and release the GIL; on this
+    thread where no thread can be started (interpreter shutdown, e.g. `close()` from `atexit`).
+    Returns once all have run; then re-raises the first failure (in item order). Never call it on
+    a thread of `pool`."""
+    if len(items) < 2:
         for x in items:
             fn(x)
+        return
+    own = None
+    try:
+        if pool is None:
+            pool = own = concurrent.futures.ThreadPoolExecutor(max_workers=min(16, len(items)))
+        futures = []
+        for x in items:
+            try:
+                futures.append(pool.submit(fn, x))
+            except RuntimeError:   # shutting down: no new threads
+                f = concurrent.futures.Future()
+                try:
+                    f.set_result(fn(x))
+                except BaseException as e:  # noqa: BLE001 - raised below, in item order
+                    f.set_exception(e)
+                futures.append(f)
+        concurrent.futures.wait(futures)
+        for f in futures:
+            f.result()
+    finally:
+        if own is not None:
+            own.shutdown(wait=True)
 
 
 def _unlink_quiet(path: str) -> None:
@@ -174,20 +193,21 @@ def _tree(top: str) -> tuple[list[str], list[str]]:
     return dirs, files
 
 
-_MEMORY_FS = {"tmpfs", "ramfs", "devtmpfs", "hugetlbfs"}
+_DIRECT_FS = {"ext2", "ext3", "ext4", "xfs", "btrfs", "f2fs", "bcachefs"}   # local block devices
 
 
-def _fs_type(path: str) -> str:
-    """The type of the file system holding `path` (or its nearest existing parent), from
-    /proc/self/mounts ("" where that is not readable, e.g. not Linux)."""
+def _fs_type(path: str, mounts: str = "/proc/self/mounts") -> str:
+    """The type of the file system holding `path` (or its nearest existing parent): the longest
+    mount point above it in `mounts`, the later of equal ones ("" where that is not readable,
+    e.g. not Linux)."""
     target = os.fsencode(os.path.realpath(path))
     try:
-        with open("/proc/self/mounts", "rb") as f:
-            mounts = [line.split()[1:3] for line in f]
+        with open(mounts, "rb") as f:
+            entries = [line.split()[1:3] for line in f]
     except OSError:
         return ""
     best, kind = b"", ""
-    for point, fs in mounts:
+    for point, fs in (e for e in entries if len(e) == 2):
         point = re.sub(rb"\\([0-7]{3})", lambda m: bytes([int(m.group(1), 8)]), point)   # "\040" is a space
         if (target == point or target.startswith(point.rstrip(b"/") + b"/")) and len(point) >= len(best):
             best, kind = point, os.fsdecode(fs)
@@ -210,9 +230,10 @@ class LocalStore(Store):
     def __init__(self, root: str):
         self.root = os.path.abspath(root)
         self.url = self.root
-        # on disk, page-aligned chunk buffers are written with O_DIRECT (chunkwrite); a memory file
-        # system (tmpfs) has no device to go to: its page cache is the storage
-        self.direct_io = _fs_type(self.root) not in _MEMORY_FS
+        # on a local disk, page-aligned chunk buffers are written with O_DIRECT (chunkwrite); not on
+        # a memory file system (tmpfs: its page cache is the storage), nor over a network or FUSE,
+        # where direct I/O means a synchronous round trip per write, or is refused
+        self.direct_io = hasattr(os, "O_DIRECT") and _fs_type(self.root) in _DIRECT_FS
         self._kept: list[str] = []              # hidden (.del-) step directories kept for reuse
         self._pool: dict[int, list[str]] = {}   # their chunk files by size
         self._pool_lock = threading.Lock()

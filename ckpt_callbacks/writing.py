@@ -338,14 +338,15 @@ def _write_direct(store: Store, rels: list, views: list, claimed: list | None = 
     file, already the caller's), else over any kept file of the right size that is left."""
     for j, (rel, view) in enumerate(zip(rels, views)):
         claim = store.claim if claimed is None else (lambda _n, old=claimed[j]: old)
-        chunkwrite.write_chunk(store.path(rel), view, sync=False, claim=claim, direct=store.direct_io)
+        if not chunkwrite.write_chunk(store.path(rel), view, sync=False, claim=claim, direct=store.direct_io):
+            store.direct_io = False   # this file system refused O_DIRECT: not asked again
     return rels
 
 
 class WriteThrough:
     """`snapshot.copy`'s `through` for a local store on a memory file system (not
-    ``store.direct_io``: on a disk the pool's copies go by O_DIRECT and leave no cached pages to
-    overwrite): the chunk files of a host-side box (numpy, CPU jax) are written at once, straight
+    ``store.direct_io``: on a disk the pool's copies go by O_DIRECT and leave almost no cached
+    pages to overwrite): the chunk files of a host-side box (numpy, CPU jax) are written at once, straight
     from the caller's buffer, on the chunk threads, over the files of a step that retention
     deleted (the steady state of a run with `KeepLast`), instead of copying the box and writing
     the copy later: the state crosses memory once instead of twice. A box without such files is

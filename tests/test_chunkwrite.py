@@ -13,7 +13,7 @@ import tensorstore as ts
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import ckpt_callbacks as cc
-from ckpt_callbacks import chunkwrite, layout
+from ckpt_callbacks import chunkwrite, layout, storage
 from ckpt_callbacks import format as fmt
 from ckpt_callbacks.restore import read_manifest
 from ckpt_callbacks.storage import open_store
@@ -155,11 +155,28 @@ def resident_pages(path: str) -> int:
 
 
 def spy_direct(monkeypatch) -> list:
-    """Record, for each pwrite, the bytes asked for and whether the fd had O_DIRECT set then."""
-    seen, real = [], os.pwrite
+    """Record each write: ("pwrite" | "pwritev", offset, bytes, whether the fd had O_DIRECT set)."""
+    seen, real, realv = [], os.pwrite, os.pwritev
+    flag = lambda fd: bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT)   # noqa: E731
     monkeypatch.setattr(os, "pwrite", lambda fd, data, off: (
-        seen.append((len(data), bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT))), real(fd, data, off))[1])
+        seen.append(("pwrite", off, len(data), flag(fd))), real(fd, data, off))[1])
+    monkeypatch.setattr(os, "pwritev", lambda fd, bufs, off: (
+        seen.append(("pwritev", off, sum(len(b) for b in bufs), flag(fd))), realv(fd, bufs, off))[1])
     return seen
+
+
+@pytest.fixture
+def direct_dir(tmp_path):
+    """`tmp_path`, where its file system lets a file be switched to O_DIRECT (else skipped)."""
+    fd = os.open(tmp_path / "probe", os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_DIRECT)
+    except OSError as e:
+        pytest.skip(f"no O_DIRECT on this file system: {e}")
+    finally:
+        os.close(fd)
+        os.unlink(tmp_path / "probe")
+    return tmp_path
 
 
 def expected_file(x: np.ndarray) -> bytes:
@@ -169,32 +186,34 @@ def expected_file(x: np.ndarray) -> bytes:
 @pytest.mark.parametrize("shape,dtype", [((1024, 1024), "float32"),   # whole 4 KiB blocks only
                                          ((1000, 1001), "uint8"),     # blocks, then a tail
                                          ((10, 10), "float32")])     # under one block: no O_DIRECT
-def test_page_aligned_chunks_go_to_the_device_without_the_page_cache(tmp_path, monkeypatch, shape, dtype):
+def test_page_aligned_chunks_go_to_the_device_without_the_page_cache(direct_dir, monkeypatch, shape, dtype):
     x = page_aligned(random_array(shape, dtype, 7))
     seen = spy_direct(monkeypatch)
-    path = str(tmp_path / "c" / "0")
-    chunkwrite.write_chunk(path, x, direct=True)
-    blocks = x.nbytes - x.nbytes % chunkwrite.DIRECT_ALIGN
-    assert seen == ([(blocks, True)] if blocks else [])
-    if blocks and open_store(str(tmp_path)).direct_io:   # on disk: only the page of the tail (and CRC) is cached
+    path = str(direct_dir / "c" / "0")
+    assert chunkwrite.write_chunk(path, x, direct=True) is True
+    n = x.nbytes
+    blocks = n - n % chunkwrite.DIRECT_ALIGN
+    assert seen == ([("pwrite", 0, blocks, True)] if blocks else []) + [("pwritev", blocks, n + 4 - blocks, False)]
+    if blocks and storage.LocalStore(str(direct_dir)).direct_io:   # a disk: only the tail's page was cached
         assert resident_pages(path) <= 1
     assert open(path, "rb").read() == expected_file(x)
 
 
-def test_unaligned_or_undirected_chunks_go_through_the_page_cache(tmp_path, monkeypatch):
-    x = page_aligned(random_array((1024, 1025), "float32", 8))
+def test_unaligned_or_undirected_chunks_go_through_the_page_cache(direct_dir, monkeypatch):
+    x = page_aligned(random_array((1024, 1040), "float32", 8))
+    off64 = np.frombuffer(x.data, np.uint8)[64:64 + 4096 * 100]    # 64 bytes into the mapping
     seen = spy_direct(monkeypatch)
-    for k, (view, direct) in enumerate([(x[:, 1:], True), (x[1:], True), (x, False)]):
-        view = np.ascontiguousarray(view) if not view.flags.c_contiguous else view
-        chunkwrite.write_chunk(str(tmp_path / f"c{k}"), view, direct=direct)
-        assert open(tmp_path / f"c{k}", "rb").read() == expected_file(view)
-    assert seen == []   # x[1:] starts 4100 bytes into the mapping: not aligned
+    for k, (view, direct) in enumerate([(off64, True), (x[1:], True), (x, False)]):   # x[1:]: 4160 bytes in
+        assert chunkwrite.write_chunk(str(direct_dir / f"c{k}"), view, direct=direct) is True
+        assert open(direct_dir / f"c{k}", "rb").read() == expected_file(view)
+    assert [w[0] for w in seen] == ["pwritev"] * 3 and not any(w[3] for w in seen)
 
 
-@pytest.mark.parametrize("refusal", ["fcntl", "pwrite", "short"])
-def test_a_refused_or_short_direct_write_falls_back_to_the_page_cache(tmp_path, monkeypatch, refusal):
+@pytest.mark.parametrize("refusal", ["fcntl", "pwrite", "pwrite-notsup", "short"])
+def test_a_refused_or_short_direct_write_falls_back_to_the_page_cache(direct_dir, monkeypatch, refusal):
     x = page_aligned(random_array((512, 1024), "float32", 9))
     real_fcntl, real_pwrite = fcntl.fcntl, os.pwrite
+    short = 3 * 4096 + 100
 
     def no_direct_flag(fd, cmd, arg=0):
         if cmd == fcntl.F_SETFL and arg & os.O_DIRECT:
@@ -202,22 +221,28 @@ def test_a_refused_or_short_direct_write_falls_back_to_the_page_cache(tmp_path, 
         return real_fcntl(fd, cmd, arg)
 
     def pwrite(fd, data, off):
-        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
-            if refusal == "pwrite":
-                raise OSError(errno.EINVAL, "Invalid argument")
-            return real_pwrite(fd, memoryview(data)[:3 * 4096 + 100], off)   # ends off the block grid
-        return real_pwrite(fd, data, off)
+        if refusal.startswith("pwrite"):
+            raise OSError(errno.EOPNOTSUPP if refusal.endswith("notsup") else errno.EINVAL, "refused")
+        # a short write that ends off the block grid (through a descriptor without O_DIRECT)
+        other = os.open(f"/proc/self/fd/{fd}", os.O_WRONLY)
+        try:
+            return real_pwrite(other, memoryview(data)[:short], off)
+        finally:
+            os.close(other)
 
     if refusal == "fcntl":
         monkeypatch.setattr(chunkwrite.fcntl, "fcntl", no_direct_flag)
-    monkeypatch.setattr(os, "pwrite", pwrite)
-    path = str(tmp_path / "c" / "0")
-    chunkwrite.write_chunk(path, x, direct=True)
+    else:
+        monkeypatch.setattr(os, "pwrite", pwrite)
+    seen = spy_direct(monkeypatch) if refusal == "short" else []
+    path = str(direct_dir / "c" / "0")
+    assert chunkwrite.write_chunk(path, x, direct=True) is (refusal == "short")
     assert open(path, "rb").read() == expected_file(x)
-    assert not fcntl.fcntl(os.open(path, os.O_RDONLY), fcntl.F_GETFL) & os.O_DIRECT
+    if refusal == "short":   # the page cache takes over exactly where the short write stopped
+        assert seen == [("pwrite", 0, x.nbytes, True), ("pwritev", short, x.nbytes + 4 - short, False)]
 
 
-def test_a_failed_direct_write_fails_the_chunk(tmp_path, monkeypatch):
+def test_a_failed_direct_write_fails_the_chunk(direct_dir, monkeypatch):
     x = page_aligned(random_array((512, 1024), "float32", 10))
 
     def full(fd, data, off):
@@ -225,4 +250,4 @@ def test_a_failed_direct_write_fails_the_chunk(tmp_path, monkeypatch):
 
     monkeypatch.setattr(os, "pwrite", full)
     with pytest.raises(OSError, match="No space"):
-        chunkwrite.write_chunk(str(tmp_path / "c" / "0"), x, direct=True)
+        chunkwrite.write_chunk(str(direct_dir / "c" / "0"), x, direct=True)

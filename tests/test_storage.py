@@ -429,7 +429,26 @@ def test_kept_files_nobody_claimed_are_deleted_on_the_pool_given(tmp_path):
     assert os.listdir(store.root) == []
 
 
-def test_a_local_store_bypasses_the_page_cache_only_on_a_device(tmp_path):
+def test_the_file_system_under_a_directory_is_read_from_the_mounts(tmp_path):
+    mounts = tmp_path / "mounts"
+    mounts.write_bytes(b"""/dev/vda / ext4 rw,discard 0 0
+tmpfs /dev/shm tmpfs rw 0 0
+broken-line-without-fields
+/dev/vdb /data xfs rw 0 0
+server:/x /data/nfs nfs4 rw 0 0
+tmpfs /data/nfs tmpfs rw 0 0
+/dev/vdc /data/my\\040disk ext4 rw 0 0
+/dev/vdd /data/my xfs rw 0 0
+""")
+    kind = lambda p: storage._fs_type(p, str(mounts))   # noqa: E731
+    assert kind("/dev/shm/run") == "tmpfs" and kind("/dev/shmx/run") == "ext4"   # a prefix is not a parent
+    assert kind("/data/ck/not yet") == "xfs" and kind("/data") == "xfs"
+    assert kind("/data/nfs/ck") == "tmpfs"               # mounted over: the later entry
+    assert kind("/data/my disk/ck") == "ext4" and kind("/data/my/ck") == "xfs"   # "\\040" is a space
+    assert storage._fs_type("/x", str(tmp_path / "none")) == ""
+
+
+def test_a_local_store_bypasses_the_page_cache_only_on_a_local_disk(tmp_path):
     mnt = tmp_path / "a tmpfs"          # /proc/self/mounts writes the space as \040
     mnt.mkdir()
     r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True, text=True)
@@ -440,6 +459,6 @@ def test_a_local_store_bypasses_the_page_cache_only_on_a_device(tmp_path):
         assert open_store(str(mnt / "ck")).direct_io is False
         beside = storage._fs_type(str(tmp_path / "ck"))
         assert beside and beside == storage._fs_type(str(tmp_path))   # (ck does not exist yet)
-        assert open_store(str(tmp_path / "ck")).direct_io is (beside not in storage._MEMORY_FS)
+        assert open_store(str(tmp_path / "ck")).direct_io is (beside in storage._DIRECT_FS)
     finally:
         subprocess.run(["umount", "-l", str(mnt)], check=False)
