@@ -20,7 +20,7 @@ Deletion (``delete``) hides the step first (rename to ``.del-``, or marker remov
 its bytes, so a half-deleted step is never seen as committed. ``delete(reuse=True)`` (the manager's
 retention, local stores) keeps the hidden step's chunk files for the next save's writers to `claim`
 (``claim_all``: one for each file of a box, or none) and overwrite in place; ``drop_reusable``
-removes what they left. ``direct_io`` (LocalStore on a disk, not on tmpfs) lets `chunkwrite` send
+removes what they left. ``direct_io`` (LocalStore on ext4/XFS/btrfs/f2fs) lets `chunkwrite` send
 page-aligned chunk buffers past the page cache. ``leftovers`` lists only names this package
 creates (``step_N.tmp-*``, ``step_N.del-*``; object stores: steps whose pending record belongs to
 no live save), and ``remove`` deletes one. Messages never contain an endpoint or a credential

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import fcntl
+import os
 
 import jax
 import ml_dtypes
 import numpy as np
+import pytest
 
 Pair = collections.namedtuple("Pair", ["first", "second"])
 
@@ -66,3 +69,18 @@ def bytes_read():
     reads and the restore's own chunk reads alike); the bench's own counter."""
     from ckpt_callbacks.bench_peers import bytes_read as rchar
     return rchar()
+
+
+def skip_without_direct_io(directory) -> None:
+    """Skip the test where the file system under `directory` (created if missing) refuses to
+    switch a file to O_DIRECT."""
+    os.makedirs(directory, exist_ok=True)
+    probe = os.path.join(directory, "probe")
+    fd = os.open(probe, os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_DIRECT)
+    except OSError as e:
+        pytest.skip(f"no O_DIRECT on this file system: {e}")
+    finally:
+        os.close(fd)
+        os.unlink(probe)

@@ -18,7 +18,7 @@ from ckpt_callbacks import format as fmt
 from ckpt_callbacks.restore import read_manifest
 from ckpt_callbacks.storage import open_store
 from ckpt_callbacks.writing import zarr_spec
-from helpers import assert_tree_equal, random_array
+from helpers import assert_tree_equal, random_array, skip_without_direct_io
 
 CASES = [  # shape, chunks, box, dtype
     ((64, 48), (16, 48), ((16, 48), (0, 48)), "float32"),    # two whole-row chunks
@@ -168,14 +168,7 @@ def spy_direct(monkeypatch) -> list:
 @pytest.fixture
 def direct_dir(tmp_path):
     """`tmp_path`, where its file system lets a file be switched to O_DIRECT (else skipped)."""
-    fd = os.open(tmp_path / "probe", os.O_WRONLY | os.O_CREAT, 0o644)
-    try:
-        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_DIRECT)
-    except OSError as e:
-        pytest.skip(f"no O_DIRECT on this file system: {e}")
-    finally:
-        os.close(fd)
-        os.unlink(tmp_path / "probe")
+    skip_without_direct_io(tmp_path)
     return tmp_path
 
 

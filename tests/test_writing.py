@@ -15,7 +15,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import ckpt_callbacks as cc
 from ckpt_callbacks import storage
-from helpers import assert_tree_equal
+from helpers import assert_tree_equal, skip_without_direct_io
 
 
 def sharded_state(seed=0):
@@ -55,15 +55,7 @@ def test_donated_state_after_save_is_still_saved_exactly(ckdir, snapshot_path):
 @pytest.mark.parametrize("direct_io", [False, True], ids=["page cache (tmpfs)", "O_DIRECT (disk)"])
 def test_pooled_buffers_serve_the_next_save_and_every_step_restores_exactly(ckdir, direct_io, monkeypatch):
     if direct_io:
-        os.makedirs(ckdir)
-        fd = os.open(os.path.join(ckdir, "probe"), os.O_WRONLY | os.O_CREAT, 0o644)
-        try:
-            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_DIRECT)
-        except OSError as e:
-            pytest.skip(f"no O_DIRECT on this file system: {e}")
-        finally:
-            os.close(fd)
-            os.unlink(os.path.join(ckdir, "probe"))
+        skip_without_direct_io(ckdir)
     direct_writes, real_pwrite = [], os.pwrite
     monkeypatch.setattr(os, "pwrite", lambda fd, data, off: (
         direct_writes.append(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT), real_pwrite(fd, data, off))[1])
