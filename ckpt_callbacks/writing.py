@@ -324,7 +324,7 @@ class _EarlySync:
         return self.done
 
 
-def _direct(staging: str, rec: dict, box, data: np.ndarray) -> tuple[list, list] | None:
+def _chunk_files(staging: str, rec: dict, box, data: np.ndarray) -> tuple[list, list] | None:
     """The chunk files (relative paths) of `box` and the views of `data` they hold, or None where
     `chunkwrite` cannot write them byte for byte."""
     todo = chunkwrite.pieces(rec, box, data)
@@ -333,7 +333,7 @@ def _direct(staging: str, rec: dict, box, data: np.ndarray) -> tuple[list, list]
     return [f"{staging}/{rec['z']}/{k}" for k, _ in todo], [v for _, v in todo]
 
 
-def _write_direct(store: Store, rels: list, views: list, claimed: list | None = None) -> list:
+def _write_chunk_files(store: Store, rels: list, views: list, claimed: list | None = None) -> list:
     """Write chunk files (fsynced later, by the writer): over the kept files `claimed` (one per
     file, already the caller's), else over any kept file of the right size that is left."""
     for j, (rel, view) in enumerate(zip(rels, views)):
@@ -344,13 +344,13 @@ def _write_direct(store: Store, rels: list, views: list, claimed: list | None = 
 
 
 class WriteThrough:
-    """`snapshot.copy`'s `through` for a local store on a memory file system (not
-    ``store.direct_io``: on a disk the pool's copies go by O_DIRECT and leave almost no cached
-    pages to overwrite): the chunk files of a host-side box (numpy, CPU jax) are written at once, straight
-    from the caller's buffer, on the chunk threads, over the files of a step that retention
-    deleted (the steady state of a run with `KeepLast`), instead of copying the box and writing
-    the copy later: the state crosses memory once instead of twice. A box without such files is
-    declined (copied, and written later).
+    """`snapshot.copy`'s `through` for a local store off a local disk (not ``store.direct_io``:
+    tmpfs, network or FUSE mounts; on a disk the pool's copies go by O_DIRECT and leave almost no
+    cached pages to overwrite): the chunk files of a host-side box (numpy, CPU jax) are written at
+    once, straight from the caller's buffer, on the chunk threads, over the files of a step that
+    retention deleted (the steady state of a run with `KeepLast`), instead of copying the box and
+    writing the copy later: the state crosses memory once instead of twice. A box without such
+    files is declined (copied, and written later).
     `copy` waits for these writes before the save returns, so the caller may donate or mutate its
     buffers as usual; the writer then fsyncs the files, commits and retains as for any other box.
 
@@ -367,16 +367,16 @@ class WriteThrough:
 
     def __call__(self, leaf: int, box, data: np.ndarray):
         rec = self.snap.records[leaf]
-        direct = _direct(self.staging, rec, box, _to_storage(data, rec["dt"]))
-        if direct is None:
+        todo = _chunk_files(self.staging, rec, box, _to_storage(data, rec["dt"]))
+        if todo is None:
             return None
-        rels, views = direct
-        # Only over a deleted step's files (`LocalStore.claim`): filling fresh files costs ext4 here
-        # 3-5x the CPU of overwriting cached ones, and the caller would wait for all of it.
+        rels, views = todo
+        # Only over a deleted step's files (`LocalStore.claim`): filling fresh pages costs several
+        # times the CPU of overwriting cached ones, and the caller would wait for all of it.
         claimed = self.store.claim_all([chunkwrite.file_bytes(v) for v in views])
         if claimed is None:
             return None
-        return self.pool.submit(_write_direct, self.store, rels, views, claimed)
+        return self.pool.submit(_write_chunk_files, self.store, rels, views, claimed)
 
 
 def _consume(store, staging, snap, items, arrays, budget, workers):
@@ -390,7 +390,7 @@ def _consume(store, staging, snap, items, arrays, budget, workers):
     nblob = 0
     early = _EarlySync(store, workers.fsync) if store.local else None
     # local stores: chunk files written straight from the snapshot's buffers (chunkwrite)
-    direct = workers.chunks if store.local else None
+    chunk_pool = workers.chunks if store.local else None
 
     def flush():
         nonlocal blob, blob_leaves, blob_bytes, nblob, written, files
@@ -440,10 +440,10 @@ def _consume(store, staging, snap, items, arrays, budget, workers):
             w = item[1]
             rec = snap.records[w.leaf]
             data = _to_storage(np.asarray(w.data), rec["dt"])
-            todo = _direct(staging, rec, w.box, data) if direct else None
+            todo = _chunk_files(staging, rec, w.box, data) if chunk_pool else None
             if todo is not None:
                 rels, views = todo
-                fut = direct.submit(_write_direct, store, rels, views)
+                fut = chunk_pool.submit(_write_chunk_files, store, rels, views)
             else:
                 rels = [f"{staging}/{rec['z']}/{fmt.chunk_key(idx)}"
                         for idx in layout.chunks_of(w.box, rec["ch"])] if early else []
