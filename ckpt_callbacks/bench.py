@@ -120,6 +120,19 @@ def _run_child(args) -> int:
     return 0
 
 
+def _child_env(workload: str) -> dict:
+    """The environment of a cell's child process."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    if workload != "fit":
+        # a fixed mmap threshold: glibc otherwise raises it after large frees and keeps freed
+        # buffers in the heap, so a later save's RSS peak would hide inside an earlier one's.
+        # Not for `fit`, which measures no memory: there every large buffer of every training
+        # step would be a fresh mapping, and a fit without a callback 1.5x slower than in a
+        # user's process (which the overhead would then be measured against)
+        env["MALLOC_MMAP_THRESHOLD_"] = "131072"
+    return env
+
+
 def _cell(args, argv, workload: str, storage: str, base: str) -> list:
     root = tempfile.mkdtemp(prefix=f"ckpt-bench-{storage}-", dir=base)
     try:
@@ -128,11 +141,8 @@ def _cell(args, argv, workload: str, storage: str, base: str) -> list:
             return list(WORKLOADS[workload](_context(args, root, storage)))
         out = os.path.join(root, "rows.jsonl")
         cmd = [sys.executable, "-m", "ckpt_callbacks.bench", *argv, "--child", workload, storage, root, out]
-        # a fixed mmap threshold: glibc otherwise raises it after large frees and keeps freed
-        # buffers in the heap, so a later save's RSS peak would hide inside an earlier one's
-        env = dict(os.environ, JAX_PLATFORMS="cpu", MALLOC_MMAP_THRESHOLD_="131072")
         try:
-            rc = subprocess.call(cmd, env=env, timeout=args.cell_timeout)
+            rc = subprocess.call(cmd, env=_child_env(workload), timeout=args.cell_timeout)
             why = f"the bench child process failed (exit status {rc}); see stderr"
         except subprocess.TimeoutExpired:
             rc, why = None, (f"did not finish within --cell-timeout {args.cell_timeout:g} s (a hang?); "

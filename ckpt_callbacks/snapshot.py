@@ -143,18 +143,29 @@ class HostPool:
 
 def _host_empty(nbytes: int) -> np.ndarray:
     """A pool buffer; from 64 KiB on page-aligned, so that `chunkwrite` may send it to a disk with
-    O_DIRECT (below 2 MiB from numpy's heap, at most 4 KiB more)."""
+    O_DIRECT (below 2 MiB from numpy's heap, at most 4 KiB more; from 2 MiB an anonymous mapping)."""
     if nbytes < (64 << 10):
         return np.empty(nbytes, np.uint8)
     if nbytes < (2 << 20):
         raw = np.empty(nbytes + mmap.PAGESIZE, np.uint8)
         off = -raw.ctypes.data % mmap.PAGESIZE
         return raw[off:off + nbytes]
-    # populated by the mmap call itself: a new 30 MiB buffer costs its first copy ~10 ms here
-    # instead of ~22 ms with a page fault per 4 KiB page
-    populate = getattr(mmap, "MAP_POPULATE", 0)
-    m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | populate)
+    # Populated at once rather than by a page fault per 4 KiB page on the first copy, and with
+    # transparent huge pages where the kernel lends them on request: mapping 30 MiB then takes
+    # ~4 ms here instead of ~13 (~22 faulting), and pinning the pages for each O_DIRECT write
+    # costs half the system time
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+    m = mmap.mmap(-1, nbytes, flags=flags)
+    try:
+        m.madvise(mmap.MADV_HUGEPAGE)
+        m.madvise(_MADV_POPULATE_WRITE)
+    except (AttributeError, OSError):   # not Linux, or a kernel before 5.14 (EINVAL)
+        m.close()
+        m = mmap.mmap(-1, nbytes, flags=flags | getattr(mmap, "MAP_POPULATE", 0))
     return np.frombuffer(m, np.uint8)
+
+
+_MADV_POPULATE_WRITE = 23   # Linux >= 5.14; Python's mmap module does not name it
 
 
 @dataclasses.dataclass

@@ -190,3 +190,14 @@ def test_ours_and_raw_take_turns_so_the_disk_ratio_is_paired(tmp_path, devices):
     assert [r["peer"] for r in rows] == ["ckpt_callbacks", "raw", "np.savez"]
     assert all(got[p]["repeats"] == 3 and got[p]["correct"] for p in got)
     assert got["ckpt_callbacks"]["durable_s"] == pytest.approx(min(s["durable_s"] for s in got["ckpt_callbacks"]["samples"]), abs=1e-4)
+
+
+def test_fit_runs_in_a_child_with_glibcs_default_mmap_threshold(monkeypatch):
+    """Save workloads measure memory peaks, so their children fix glibc's mmap threshold; the
+    fit workload measures wall time against a fit without a callback, in a process like a
+    user's (with the fixed threshold every training step maps fresh memory: 1.5x slower)."""
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
+    assert "MALLOC_MMAP_THRESHOLD_" not in bench._child_env("fit")
+    for w in ("big", "small", "reshard", "memory"):
+        assert bench._child_env(w)["MALLOC_MMAP_THRESHOLD_"] == "131072"
+    assert bench._child_env("fit")["JAX_PLATFORMS"] == "cpu"

@@ -1,6 +1,10 @@
 """The blocking part of a save: what `snapshot.copy` hands the writer, and the HostPool of warm
 buffers that host-side leaves are copied into."""
 
+import ctypes
+import mmap
+import sys
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -60,6 +64,29 @@ def test_recycled_buffers_are_reused_by_size_and_unused_ones_are_dropped():
     assert sorted(pool._free) == [44, 4 << 20]
     pool.clear()
     assert pool._free == {} and pool._lent == []
+
+
+def _resident_pages(buf) -> int:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    vec = ctypes.create_string_buffer(-(-buf.nbytes // mmap.PAGESIZE))
+    assert libc.mincore(buf.ctypes.data, buf.nbytes, vec) == 0, ctypes.get_errno()
+    return sum(b & 1 for b in vec.raw)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mincore and madvise as on Linux")
+@pytest.mark.parametrize("kernel", ["madvise-populate", "before-5.14"])
+def test_a_mapped_pool_buffer_is_page_aligned_and_populated_before_its_first_copy(monkeypatch, kernel):
+    """From 2 MiB a buffer is an anonymous mapping, every page present before the first copy
+    (which would otherwise fault page by page on the caller's blocking path); on a kernel
+    without MADV_POPULATE_WRITE (EINVAL) it is mapped again with MAP_POPULATE."""
+    if kernel == "before-5.14":
+        monkeypatch.setattr(snapshot, "_MADV_POPULATE_WRITE", 0x7FFF)   # an advice the kernel refuses
+    buf = snapshot._host_empty(6 << 20)
+    assert buf.nbytes == 6 << 20 and buf.flags.writeable and buf.ctypes.data % mmap.PAGESIZE == 0
+    assert _resident_pages(buf) == (6 << 20) // mmap.PAGESIZE
+    buf[:] = 7
+    assert int(buf[-1]) == 7
 
 
 def test_clear_in_the_background_empties_the_pool_at_once_and_frees_the_buffers_soon():
