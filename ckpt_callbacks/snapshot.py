@@ -31,6 +31,7 @@ import dataclasses
 import itertools
 import math
 import mmap
+import sys
 import threading
 import time
 from typing import Any
@@ -103,7 +104,7 @@ class HostPool:
     ~20 ms on this project's 2-vCPU test machine, against ~3.5 ms for copying them at once into
     warm buffers. Above `max_bytes` (or a save's `ByteBudget` limit) views are kept, so the caller
     is never blocked for long. Buffers of 2 MiB and more are anonymous mappings (page-aligned,
-    populated when mapped).
+    populated when mapped, with transparent huge pages where the kernel lends them on request).
 
     Who calls what: `CheckpointManager` owns one. `copy` takes buffers on the caller's thread;
     the manager calls `recycle` after joining the previous save's writer (nothing reads its
@@ -153,11 +154,17 @@ def _host_empty(nbytes: int) -> np.ndarray:
     # Populated at once rather than by a page fault per 4 KiB page on the first copy, and with
     # transparent huge pages where the kernel lends them on request: mapping 30 MiB then takes
     # ~4 ms here instead of ~13 (~22 faulting), and pinning the pages for each O_DIRECT write
-    # costs half the system time
+    # costs half the system time. (Once per pool, when free huge pages are scarce, the kernel
+    # may compact memory first: 116 ms once here.)
     flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
     m = mmap.mmap(-1, nbytes, flags=flags)
     try:
         m.madvise(mmap.MADV_HUGEPAGE)
+    except (AttributeError, OSError):   # not Linux, or a kernel without transparent huge pages
+        pass
+    try:
+        if not sys.platform.startswith("linux"):   # the advice's number is Linux's
+            raise OSError
         m.madvise(_MADV_POPULATE_WRITE)
     except (AttributeError, OSError):   # not Linux, or a kernel before 5.14 (EINVAL)
         m.close()
