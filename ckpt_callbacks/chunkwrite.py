@@ -70,10 +70,11 @@ def file_bytes(view: np.ndarray) -> int:
 def write_chunk(path: str, view: np.ndarray, sync: bool = True, claim=None, direct: bool = False) -> bool:
     """Create the chunk file at `path` (and its directory) holding `view`'s bytes and their
     CRC-32C; fsync it when `sync` (the writer fsyncs on other threads, so that writing goes on
-    meanwhile; directories are fsynced with the whole staging tree at commit). `claim` (e.g.
-    `LocalStore.claim`) may hand over a deleted step's chunk file of the same size: it is moved to
-    `path` and overwritten in place, unless it is no longer a plain file with one link (a hard
-    link elsewhere, e.g. a backup, is never written through). `direct` (``LocalStore.direct_io``):
+    meanwhile; directories are fsynced with the whole staging tree at commit). `claim(nbytes,
+    path)` (e.g. `LocalStore.claim`) may hand over a deleted step's chunk file of the same size
+    (`path` itself, in a reused staging directory): it is moved to `path` and overwritten in
+    place, unless it is no longer a plain file with one link (a hard link elsewhere, e.g. a
+    backup, is never written through). Without a claim a file at `path` is replaced, never written. `direct` (``LocalStore.direct_io``):
     the whole 4 KiB blocks of a page-aligned `view` go to the device with ``O_DIRECT``, without
     the page cache (`_write_direct_blocks`); the rest, and the CRC, through the page cache.
     Returns False when `direct` was asked for and the file system refused it (the caller may
@@ -84,6 +85,7 @@ def write_chunk(path: str, view: np.ndarray, sync: bool = True, claim=None, dire
     os.makedirs(os.path.dirname(path), exist_ok=True)
     fd = _reuse(path, file_bytes(view), claim) if claim is not None else None
     if fd is None:
+        _unlink(path)   # a file there (a reused staging directory) may be hard-linked elsewhere
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         off, refused = _write_direct_blocks(fd, raw, flat.ctypes.data) if direct else (0, False)
@@ -147,13 +149,14 @@ _REFUSED = {errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP}   # no direct I/O her
 
 
 def _reuse(path: str, nbytes: int, claim) -> int | None:
-    """An fd open for writing on a claimed file of `nbytes` moved to `path`, or None (then `path`
-    does not exist)."""
-    old = claim(nbytes)
+    """An fd open for writing on a claimed file of `nbytes` moved to `path` (or `path` itself,
+    claimed in place), or None."""
+    old = claim(nbytes, path)
     if old is None:
         return None
     try:
-        os.rename(old, path)
+        if old != path:
+            os.rename(old, path)
         fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW)
     except OSError:
         _unlink(path)

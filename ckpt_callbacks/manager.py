@@ -181,12 +181,18 @@ class CheckpointManager:
 
         if self._workers is None and self.store.local:
             self._workers = Workers()
+        # write-through overwrites cached pages; on a disk the pool's page-aligned copies go by
+        # O_DIRECT instead, and leave (almost) no page cache for a later save to overwrite. Without
+        # write-through nothing lands in the staging directory before the writer's `begin`, which
+        # may then make it the directory of a step that retention deleted (`LocalStore.begin`).
+        through_ok = self.store.local and not self.store.direct_io
 
         def run():
             try:
                 stats = write_and_commit(self.store, step, snap, items, coord=self.coord, metrics=metrics,
                                          host_state=host_bytes, budget=budget, replace=force, token=token,
-                                         timeout_s=self.timeout_s, extra=extra_info, workers=self._workers)
+                                         timeout_s=self.timeout_s, extra=extra_info, workers=self._workers,
+                                         reuse_tree=not through_ok)
                 self._infos[step] = StepInfo(step, save_time, metrics)
                 stats = self._retain(stats, token)
                 self.history.append(stats)
@@ -199,10 +205,7 @@ class CheckpointManager:
         self._thread = threading.Thread(target=run, name=f"ckpt_callbacks-save-{step}", daemon=True)
         self._thread.start()
         try:
-            # write-through overwrites cached pages; on a disk the pool's page-aligned copies go by
-            # O_DIRECT instead, and leave (almost) no page cache for a later save to overwrite
-            through = (WriteThrough(self.store, step, token, snap, self._workers)
-                       if self.store.local and not self.store.direct_io else None)
+            through = WriteThrough(self.store, step, token, snap, self._workers) if through_ok else None
             snapshot.copy(snap, items.put, budget, self._pool, through)
         except BaseException as e:
             items.put(("abort", e))

@@ -209,7 +209,7 @@ class ObjectStore(Store):
         names = (k[len(MARKERS):] for k in self._list(MARKERS))
         return sorted(s for s in map(fmt.parse_step_name, names) if s is not None)
 
-    def begin(self, step: int, token: str, lead: bool = True) -> str:
+    def begin(self, step: int, token: str, lead: bool = True, reuse_tree: bool = False) -> str:
         """The lead process claims ``step_N/`` (pending record first), hides an old commit of the
         same step (``force=True``: not atomic on object stores) and clears an earlier attempt's bytes."""
         name = fmt.step_name(step)

@@ -20,7 +20,9 @@ Deletion (``delete``) hides the step first (rename to ``.del-``, or marker remov
 its bytes, so a half-deleted step is never seen as committed. ``delete(reuse=True)`` (the manager's
 retention, local stores) keeps the hidden step's chunk files for the next save's writers to `claim`
 (``claim_all``: one for each file of a box, or none) and overwrite in place; ``drop_reusable``
-removes what they left. ``direct_io`` (LocalStore on ext4/XFS/btrfs/f2fs) lets `chunkwrite` send
+removes what they left. ``begin(..., reuse_tree=True)`` (one writing process, nothing written
+before it) may instead rename the whole hidden directory to the staging directory, whose chunk
+files are then claimed by path; ``prune`` removes what the new manifest does not name. ``direct_io`` (LocalStore on ext4/XFS/btrfs/f2fs) lets `chunkwrite` send
 page-aligned chunk buffers past the page cache. ``leftovers`` lists only names this package
 creates (``step_N.tmp-*``, ``step_N.del-*``; object stores: steps whose pending record belongs to
 no live save), and ``remove`` deletes one. Messages never contain an endpoint or a credential
@@ -66,8 +68,10 @@ class Store:
     def committed_steps(self) -> list[int]:
         raise NotImplementedError
 
-    def begin(self, step: int, token: str, lead: bool = True) -> str:
-        """`lead` is True on the one process (0) that owns the step's staging and publishes it."""
+    def begin(self, step: int, token: str, lead: bool = True, reuse_tree: bool = False) -> str:
+        """`lead` is True on the one process (0) that owns the step's staging and publishes it.
+        `reuse_tree` (a single writing process): the backend may make a step directory kept by
+        ``delete(reuse=True)`` the staging directory (LocalStore); the writer then calls `prune`."""
         raise NotImplementedError
 
     def staging(self, step: int, token: str) -> str:
@@ -87,8 +91,9 @@ class Store:
         `claim` by the next save instead (LocalStore); `drop_reusable` deletes what is left."""
         raise NotImplementedError
 
-    def claim(self, nbytes: int) -> str | None:
-        """The absolute path of a kept chunk file of exactly `nbytes`, now the caller's, or None."""
+    def claim(self, nbytes: int, path: str | None = None) -> str | None:
+        """The absolute path of a kept chunk file of exactly `nbytes`, now the caller's, or None;
+        `path` itself when it is such a file (in a staging directory that `begin` reused)."""
         return None
 
     def claim_all(self, sizes: list[int]) -> list[str] | None:
@@ -98,6 +103,10 @@ class Store:
     def drop_reusable(self, pool=None) -> None:
         """Delete the files kept by ``delete(reuse=True)`` that no save claimed (`pool`: as for
         `sync`)."""
+
+    def prune(self, staging: str, keep: set, pool=None) -> None:
+        """Before the manifest of a save whose staging directory `begin` reused: delete every file
+        there that is not in `keep` (relative to `staging`), and the directories left empty."""
 
     def leftovers(self) -> list[str]:
         raise NotImplementedError
@@ -236,6 +245,8 @@ class LocalStore(Store):
         self.direct_io = hasattr(os, "O_DIRECT") and _fs_type(self.root) in _DIRECT_FS
         self._kept: list[str] = []              # hidden (.del-) step directories kept for reuse
         self._pool: dict[int, list[str]] = {}   # their chunk files by size
+        self._inplace: dict[str, int] = {}      # chunk files of a kept directory made staging: size
+        self._reused: set[str] = set()          # staging directories that are kept directories
         self._pool_lock = threading.Lock()
 
     def path(self, rel: str) -> str:
@@ -248,6 +259,7 @@ class LocalStore(Store):
         """Write bytes, or a list of buffers one after another; fsync the file unless ``sync=False``."""
         p = self.path(rel)
         os.makedirs(os.path.dirname(p), exist_ok=True)
+        _unlink_quiet(p)   # a file there (a reused staging directory) may be hard-linked elsewhere
         with open(p, "wb") as f:
             for part in (data if isinstance(data, list) else [data]):
                 f.write(part)
@@ -278,10 +290,62 @@ class LocalStore(Store):
         """The staging directory (relative) that `begin` makes for the save `token` of `step`."""
         return f"{fmt.step_name(step)}.tmp-{token}"
 
-    def begin(self, step: int, token: str, lead: bool = True) -> str:
+    def begin(self, step: int, token: str, lead: bool = True, reuse_tree: bool = False) -> str:
         rel = self.staging(step, token)
-        os.makedirs(self.path(rel), exist_ok=True)
+        if not (lead and reuse_tree and self._adopt(rel)):
+            os.makedirs(self.path(rel), exist_ok=True)
         return rel
+
+    def _adopt(self, rel: str) -> bool:
+        """Rename the last kept step directory to the staging directory `rel`: its directories and
+        files are this save's, its chunk files overwritten in place where this save writes the
+        same file again (`claim` with the path). Nothing is created or deleted for a save of the
+        same tree; on a disk file system each new inode and each deletion is a metadata write."""
+        with self._pool_lock:
+            if not self._kept or os.path.lexists(self.path(rel)):
+                return False
+            hidden = self._kept.pop()
+            try:
+                os.rename(self.path(hidden), self.path(rel))
+            except OSError:   # removed behind our back: that directory is gone for good
+                return False
+            old, new = self.path(hidden) + os.sep, self.path(rel) + os.sep
+            for size, paths in self._pool.items():
+                mine = [p for p in paths if p.startswith(old)]
+                paths[:] = [p for p in paths if not p.startswith(old)]
+                self._inplace.update((new + p[len(old):], size) for p in mine)
+            self._reused.add(rel)
+        # a staging directory holds no manifest before its own (written last, before the rename)
+        _unlink_quiet(self.path(f"{rel}/{fmt.MANIFEST}"))
+        return True
+
+    def prune(self, staging: str, keep: set, pool=None) -> None:
+        with self._pool_lock:
+            if staging not in self._reused:
+                return
+            self._forget(staging)
+        top = self.path(staging)
+        dirs, files = _tree(top)
+        stale = [f for f in files if os.path.relpath(f, top) not in keep]
+        _each(_unlink_quiet, stale, pool)
+        if stale:   # deepest first; a directory still holding this save's files stays
+            for d in sorted(dirs[1:], key=lambda d: d.count(os.sep), reverse=True):
+                try:
+                    os.rmdir(d)
+                except OSError:
+                    pass
+
+    def _forget(self, staging: str) -> None:
+        """(Under the pool lock.) `staging` is no longer a reused directory with claimable files."""
+        self._reused.discard(staging)
+        prefix = self.path(staging) + os.sep
+        for p in [p for p in self._inplace if p.startswith(prefix)]:
+            del self._inplace[p]
+
+    def abort(self, staging: str) -> None:
+        with self._pool_lock:
+            self._forget(staging)
+        self.remove(staging)
 
     def sync(self, rels: list[str], skip=frozenset(), pool=None) -> None:
         """fsync the given files and the files of the given trees, in parallel on `pool` (or on
@@ -359,8 +423,11 @@ class LocalStore(Store):
             for size, path in found:
                 self._pool.setdefault(size, []).append(path)
 
-    def claim(self, nbytes: int) -> str | None:
+    def claim(self, nbytes: int, path: str | None = None) -> str | None:
         with self._pool_lock:
+            if path is not None and self._inplace.get(path) == nbytes:
+                del self._inplace[path]
+                return path
             paths = self._pool.get(nbytes)
             return paths.pop() if paths else None
 

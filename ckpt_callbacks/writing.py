@@ -28,8 +28,10 @@ Who calls what, in order, on which process (every process runs this function for
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import json
+import os
 import threading
 import time
 
@@ -94,15 +96,18 @@ def _to_storage(a: np.ndarray, dt: str) -> np.ndarray:
 def write_and_commit(store: Store, step: int, snap: Snapshot, items, *, coord: Coordinator | None = None,
                      metrics: dict | None = None, host_state: bytes | None = None,
                      budget: ByteBudget | None = None, replace: bool = False, token: str = "0" * 12,
-                     timeout_s: float = 600.0, extra: dict | None = None, workers: Workers | None = None) -> SaveStats:
+                     timeout_s: float = 600.0, extra: dict | None = None, workers: Workers | None = None,
+                     reuse_tree: bool = False) -> SaveStats:
     """Run the background part of a save. `items` has ``.get()`` yielding what `snapshot.copy` emits;
-    `workers`: the pools to write and fsync local files on (None: started and ended here)."""
+    `workers`: the pools to write and fsync local files on (None: started and ended here);
+    `reuse_tree`: the staging directory may be a step directory that retention deleted (one
+    process only, and nothing written into the staging directory before `store.begin`)."""
     if workers is None and store.local:
         workers = Workers()
         try:
             return write_and_commit(store, step, snap, items, coord=coord, metrics=metrics, host_state=host_state,
                                     budget=budget, replace=replace, token=token, timeout_s=timeout_s, extra=extra,
-                                    workers=workers)
+                                    workers=workers, reuse_tree=reuse_tree)
         finally:
             workers.close()
     coord = coord or SingleProcess()
@@ -116,7 +121,7 @@ def write_and_commit(store: Store, step: int, snap: Snapshot, items, *, coord: C
     try:
         if store.local:   # known up front: `WriteThrough` may have written into it already
             staging = store.staging(step, token)
-        staging = store.begin(step, token, lead=pi == 0)
+        staging = store.begin(step, token, lead=pi == 0, reuse_tree=reuse_tree and coord.process_count == 1)
         arrays = _open_arrays(store, staging, snap, coord, timeout_s, f"meta/{step}/{token}")
         written, files, packed_info, mine, synced = _consume(store, staging, snap, items, arrays, budget, workers)
         # the zarr.json of an array whose chunks are all another process's: made durable here too
@@ -152,6 +157,7 @@ def write_and_commit(store: Store, step: int, snap: Snapshot, items, *, coord: C
         if not failures:
             try:
                 manifest = _manifest(step, snap, statuses, metrics, extra)
+                store.prune(staging, _files(manifest), pool=workers and workers.fsync)
                 store.write(f"{staging}/{fmt.MANIFEST}", fmt.pack_manifest(manifest))
                 store.publish(staging, step, replace=replace, pool=workers and workers.fsync)
             except BaseException as e:  # noqa: BLE001
@@ -239,6 +245,9 @@ class _Arrays:
             if cached is not None:
                 self.store.write(f"{self.staging}/{self.recs[i]['z']}/zarr.json", cached, sync=False)
             else:
+                if self.store.local:   # a reused staging directory may hold another metadata's
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(self.store.path(f"{self.staging}/{self.recs[i]['z']}/zarr.json"))
                 futs[i] = (key, ts.open(spec, create=True, open=True, context=self.ctx))
         for i, (key, fut) in futs.items():
             self.handles[i] = fut.result()
@@ -337,7 +346,7 @@ def _write_chunk_files(store: Store, rels: list, views: list, claimed: list | No
     """Write chunk files (fsynced later, by the writer): over the kept files `claimed` (one per
     file, already the caller's), else over any kept file of the right size that is left."""
     for j, (rel, view) in enumerate(zip(rels, views)):
-        claim = store.claim if claimed is None else (lambda _n, old=claimed[j]: old)
+        claim = store.claim if claimed is None else (lambda _n, _p, old=claimed[j]: old)
         if not chunkwrite.write_chunk(store.path(rel), view, sync=False, claim=claim, direct=store.direct_io):
             store.direct_io = False   # this file system refused O_DIRECT: not asked again
     return rels
@@ -476,6 +485,18 @@ def _consume(store, staging, snap, items, arrays, budget, workers):
         raise
     synced = early.close() if early else set()
     return written, files, packed_info, sorted(mine), synced
+
+
+def _files(manifest: dict) -> set:
+    """Every file of the step `manifest` describes, but the manifest (relative to the step)."""
+    out = set(manifest["host"].values())
+    for rec in manifest["leaves"]:
+        if "b" in rec:
+            out.add(rec["b"])
+        if "z" in rec:
+            out.add(f"{rec['z']}/zarr.json")
+            out.update(f"{rec['z']}/{fmt.chunk_key(idx)}" for idx in layout.chunks_of([(0, n) for n in rec["sh"]], rec["ch"]))
+    return out
 
 
 def _manifest(step, snap: Snapshot, statuses, metrics, extra) -> dict:

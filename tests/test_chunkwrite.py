@@ -112,7 +112,7 @@ def test_a_claimed_file_is_overwritten_in_place_only_when_safe(tmp_path, offer):
     before = os.pread(held, 1 << 20, 0) if held is not None else None
     asked = []
     path = str(tmp_path / "step" / "c" / "0")
-    chunkwrite.write_chunk(path, x, claim=lambda n: asked.append(n) or old)
+    chunkwrite.write_chunk(path, x, claim=lambda n, _p: asked.append(n) or old)
     assert asked == [len(expected)]
     assert open(path, "rb").read() == expected and not os.path.islink(path) and not os.path.exists(old)
     assert open(target, "rb").read() == b"\1" * len(expected)   # a symlink is never followed

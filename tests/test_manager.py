@@ -11,6 +11,7 @@ import pytest
 
 import ckpt_callbacks as cc
 from ckpt_callbacks import format as fmt
+from helpers import skip_without_direct_io
 
 
 def tree(step):
@@ -251,15 +252,37 @@ def test_files_of_another_size_are_not_reused_and_are_deleted(ckdir):
     m = cc.CheckpointManager(ckdir, retention=cc.KeepLast(1))
     m.save(1, _big_tree(1))
     m._wait()
-    old = set(_chunk_inodes(ckdir, 1).values())
+    top = os.path.join(ckdir, fmt.step_name(1))
+    # held open: an inode number may be given to a new file once the old one is unlinked
+    held = {os.open(os.path.join(top, rel), os.O_RDONLY): None for rel in _chunk_inodes(ckdir, 1)}
+    held = {fd: os.pread(fd, 64 << 20, 0) for fd in held}
     bigger = {"w": np.ones((1024, 512), np.float32), "m": np.full((512, 700), 2, np.float32), "step": 2}
     m.save(2, bigger)   # deletes step 1 and keeps its files
     m._wait()
     m.save(3, bigger)   # nothing of step 1's files fits: all fresh, step 1's files dropped
     m._wait()
-    assert not old & set(_chunk_inodes(ckdir, 3).values())
+    for fd, before in held.items():   # never written into, and gone
+        assert os.pread(fd, 64 << 20, 0) == before and os.fstat(fd).st_nlink == 0
+        os.close(fd)
     kept = [n for n in os.listdir(ckdir) if ".del-" in n]
     assert len(kept) == 1 and kept[0].startswith(fmt.step_name(2))   # step 1's went; step 2's wait
     got = m.restore(step=3)
     np.testing.assert_array_equal(got["m"], bigger["m"])
     m.close()
+
+
+def test_on_a_disk_retention_hands_its_deleted_steps_directory_to_the_save_after_next(ckdir):
+    """KeepLast(2), a save after each: step 1 is deleted after save 3's commit, and save 4 is
+    written in its directory (renamed), so steady-state saves create no directories."""
+    skip_without_direct_io(ckdir)
+    m = cc.CheckpointManager(ckdir, retention=cc.KeepLast(2))
+    inode = {}
+    for k in range(1, 6):
+        m.save(k, _big_tree(k))
+        m._wait()
+        inode[k] = os.stat(os.path.join(ckdir, fmt.step_name(k), "arrays")).st_ino
+    assert inode[4] == inode[1] and inode[5] == inode[2] and len({inode[1], inode[2], inode[3]}) == 3
+    assert m.all_steps() == [4, 5]
+    np.testing.assert_array_equal(m.restore(step=5)["w"], _big_tree(5)["w"])
+    m.close()
+    assert sorted(n for n in os.listdir(ckdir) if n.startswith("step_")) == [fmt.step_name(4), fmt.step_name(5)]

@@ -382,3 +382,112 @@ def test_a_small_host_state_is_written_over_a_deleted_steps_files_before_save_re
         m.wait_until_finished()
         assert m.all_steps() == [3]
         np.testing.assert_array_equal(m.restore(3)["a"], expected)
+
+
+# -- a deleted step's directory reused as the next save's staging directory -----------------------
+def _save_reusing(store, step, tree, workers):
+    """One save as the manager runs it without write-through (a disk): the writer's `begin` may
+    adopt a directory that `delete(reuse=True)` kept."""
+    import queue
+    from ckpt_callbacks import snapshot, writing
+    snap = snapshot.plan(tree)
+    items = queue.SimpleQueue()
+    snapshot.copy(snap, items.put)
+    return writing.write_and_commit(store, step, snap, items, token=os.urandom(6).hex(), workers=workers,
+                                    reuse_tree=True)
+
+
+def _inodes(top) -> dict:
+    out = {}
+    for dirpath, dirs, files in os.walk(top):
+        for n in dirs + files:
+            p = os.path.join(dirpath, n)
+            out[os.path.relpath(p, top)] = os.lstat(p).st_ino
+    return out
+
+
+def _tree_a(k):
+    r = np.random.default_rng(k)
+    return {"w": r.standard_normal((512, 1024)).astype(np.float32), "m": [r.standard_normal((700, 512)).astype(np.float32)],
+            "b": r.standard_normal(64).astype(np.float32), "step": k}
+
+
+def test_a_deleted_steps_directory_becomes_the_next_saves_and_is_overwritten_in_place(ckdir):
+    """Steady state on a disk: no directory or file is created or deleted; every chunk file is
+    rewritten in place; the step holds exactly its manifest's files and restores exactly."""
+    from ckpt_callbacks import verify, writing
+    store, workers = storage.LocalStore(ckdir), writing.Workers()
+    try:
+        _save_reusing(store, 1, _tree_a(1), workers)
+        _save_reusing(store, 2, _tree_a(2), workers)
+        before = _inodes(os.path.join(ckdir, "step_0000000001"))
+        store.delete(1, reuse=True)
+        _save_reusing(store, 3, _tree_a(3), workers)
+    finally:
+        workers.close()
+    after = _inodes(os.path.join(ckdir, "step_0000000003"))
+    assert set(after) == set(before)
+    # every directory and chunk file is the deleted step's own (small files are written anew, and
+    # a freed inode number may come back, so nothing is said about them)
+    kept = {rel for rel in after if os.path.isdir(os.path.join(ckdir, "step_0000000003", rel)) or "/c/" in rel}
+    assert len(kept) == 2 + 2 * 4 and all(before[rel] == after[rel] for rel in kept)
+    assert not any(".del-" in n or ".tmp-" in n for n in os.listdir(ckdir))
+    m = cc.CheckpointManager(ckdir, read_only=True)
+    assert m.all_steps() == [2, 3]
+    assert_tree_equal(m.restore(3), _tree_a(3))
+    assert verify.verify_step(store, 3) == []
+
+
+def test_a_reused_directory_keeps_nothing_of_the_deleted_step_when_the_tree_changed(ckdir):
+    """Other shapes (another chunk grid and zarr metadata), a leaf gone, fewer blobs: whatever
+    the deleted step had and this save did not write is removed before the manifest."""
+    from ckpt_callbacks import verify, writing
+    r = np.random.default_rng(7)
+    old = {"w": r.standard_normal((512, 1024)).astype(np.float32), "gone": r.standard_normal((600, 600)).astype(np.float32),
+           "small": [np.full(10, i, np.float32) for i in range(3)], "step": 1}
+    new = {"w": r.standard_normal((2048, 256)).astype(np.float32), "x": np.arange(300000, dtype=np.int64), "step": 3}
+    store, workers = storage.LocalStore(ckdir), writing.Workers()
+    try:
+        _save_reusing(store, 1, old, workers)
+        _save_reusing(store, 2, old, workers)
+        store.delete(1, reuse=True)
+        _save_reusing(store, 3, new, workers)
+    finally:
+        workers.close()
+    m = cc.CheckpointManager(ckdir, read_only=True)
+    assert_tree_equal(m.restore(3), new)
+    assert verify.verify_step(store, 3) == []
+    from ckpt_callbacks import format as fmt
+    manifest = fmt.unpack_manifest(open(os.path.join(ckdir, "step_0000000003", fmt.MANIFEST), "rb").read())
+    files = {rel for rel, ino in _inodes(os.path.join(ckdir, "step_0000000003")).items()
+             if os.path.isfile(os.path.join(ckdir, "step_0000000003", rel))}
+    assert files == writing._files(manifest) | {fmt.MANIFEST}
+    dirs = {os.path.dirname(f) for f in files}
+    for rel in _inodes(os.path.join(ckdir, "step_0000000003")):   # no directory left empty
+        p = os.path.join(ckdir, "step_0000000003", rel)
+        assert not os.path.isdir(p) or any(d == rel or d.startswith(rel + "/") for d in dirs)
+
+
+def test_files_hard_linked_elsewhere_are_never_written_in_a_reused_directory(ckdir, tmp_path):
+    """`cp -al` of a step that retention then deletes: the next save reuses the directory but
+    replaces every linked file (chunks, zarr.json, blobs, manifest) instead of writing into it."""
+    from ckpt_callbacks import writing
+    store, workers = storage.LocalStore(ckdir), writing.Workers()
+    backup = {}
+    try:
+        _save_reusing(store, 1, _tree_a(1), workers)
+        top = os.path.join(ckdir, "step_0000000001")
+        for rel, _ in _inodes(top).items():
+            if os.path.isfile(os.path.join(top, rel)):
+                dst = str(tmp_path / rel.replace(os.sep, "_"))
+                os.link(os.path.join(top, rel), dst)
+                backup[dst] = open(dst, "rb").read()
+        _save_reusing(store, 2, _tree_a(2), workers)
+        store.delete(1, reuse=True)
+        _save_reusing(store, 3, _tree_a(3), workers)
+    finally:
+        workers.close()
+    assert len(backup) >= 5
+    for dst, data in backup.items():
+        assert open(dst, "rb").read() == data
+    assert_tree_equal(cc.CheckpointManager(ckdir, read_only=True).restore(3), _tree_a(3))
