@@ -192,7 +192,7 @@ class CheckpointManager:
                 stats = write_and_commit(self.store, step, snap, items, coord=self.coord, metrics=metrics,
                                          host_state=host_bytes, budget=budget, replace=force, token=token,
                                          timeout_s=self.timeout_s, extra=extra_info, workers=self._workers,
-                                         reuse_tree=not through_ok)
+                                         reuse_tree=self.store.local and not through_ok)
                 self._infos[step] = StepInfo(step, save_time, metrics)
                 stats = self._retain(stats, token)
                 self.history.append(stats)

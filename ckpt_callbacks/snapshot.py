@@ -157,18 +157,18 @@ def _host_empty(nbytes: int) -> np.ndarray:
     # costs half the system time. (Once per pool, when free huge pages are scarce, the kernel
     # may compact memory first: 116 ms once here.)
     flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
-    m = mmap.mmap(-1, nbytes, flags=flags)
-    try:
-        m.madvise(mmap.MADV_HUGEPAGE)
-    except (AttributeError, OSError):   # not Linux, or a kernel without transparent huge pages
-        pass
-    try:
-        if not sys.platform.startswith("linux"):   # the advice's number is Linux's
-            raise OSError
-        m.madvise(_MADV_POPULATE_WRITE)
-    except (AttributeError, OSError):   # not Linux, or a kernel before 5.14 (EINVAL)
-        m.close()
-        m = mmap.mmap(-1, nbytes, flags=flags | getattr(mmap, "MAP_POPULATE", 0))
+    if sys.platform.startswith("linux"):   # the populate advice's number is Linux's
+        m = mmap.mmap(-1, nbytes, flags=flags)
+        try:
+            m.madvise(mmap.MADV_HUGEPAGE)
+        except (AttributeError, OSError):   # a kernel without transparent huge pages
+            pass
+        try:
+            m.madvise(_MADV_POPULATE_WRITE)
+            return np.frombuffer(m, np.uint8)
+        except (AttributeError, OSError):   # a kernel before 5.14 (EINVAL)
+            m.close()
+    m = mmap.mmap(-1, nbytes, flags=flags | getattr(mmap, "MAP_POPULATE", 0))
     return np.frombuffer(m, np.uint8)
 
 

@@ -104,9 +104,12 @@ class Store:
         """Delete the files kept by ``delete(reuse=True)`` that no save claimed (`pool`: as for
         `sync`)."""
 
-    def prune(self, staging: str, keep: set, pool=None) -> None:
-        """Before the manifest of a save whose staging directory `begin` reused: delete every file
-        there that is not in `keep` (relative to `staging`), and the directories left empty."""
+    def prune(self, staging: str, keep: set, pool=None, last: bool = True) -> None:
+        """In a staging directory that `begin` reused: delete every file that is not in `keep`
+        (relative to `staging`; an entry ending in "/" keeps everything under it), and the
+        directories left empty. The writer calls it right after
+        `begin` (``last=False``: the files it will write) and before the manifest (the files the
+        manifest names)."""
 
     def leftovers(self) -> list[str]:
         raise NotImplementedError
@@ -319,14 +322,16 @@ class LocalStore(Store):
         _unlink_quiet(self.path(f"{rel}/{fmt.MANIFEST}"))
         return True
 
-    def prune(self, staging: str, keep: set, pool=None) -> None:
+    def prune(self, staging: str, keep: set, pool=None, last: bool = True) -> None:
         with self._pool_lock:
             if staging not in self._reused:
                 return
-            self._forget(staging)
+            if last:
+                self._forget(staging)
         top = self.path(staging)
         dirs, files = _tree(top)
-        stale = [f for f in files if os.path.relpath(f, top) not in keep]
+        under = tuple(k for k in keep if k.endswith("/"))
+        stale = [f for f in files if (rel := os.path.relpath(f, top)) not in keep and not rel.startswith(under)]
         _each(_unlink_quiet, stale, pool)
         if stale:   # deepest first; a directory still holding this save's files stays
             for d in sorted(dirs[1:], key=lambda d: d.count(os.sep), reverse=True):

@@ -121,7 +121,14 @@ def write_and_commit(store: Store, step: int, snap: Snapshot, items, *, coord: C
     try:
         if store.local:   # known up front: `WriteThrough` may have written into it already
             staging = store.staging(step, token)
-        staging = store.begin(step, token, lead=pi == 0, reuse_tree=reuse_tree and coord.process_count == 1)
+        if reuse_tree and coord.process_count == 1:
+            staging = store.begin(step, token, lead=pi == 0, reuse_tree=True)
+            # a reused directory: first only the files this save will write again may stay there
+            # (a leaf of another rank wants a file where a directory is, or the reverse)
+            store.prune(staging, _array_files(snap.records) | {"blobs/", "host/"}, pool=workers and workers.fsync,
+                        last=False)
+        else:
+            staging = store.begin(step, token, lead=pi == 0)
         arrays = _open_arrays(store, staging, snap, coord, timeout_s, f"meta/{step}/{token}")
         written, files, packed_info, mine, synced = _consume(store, staging, snap, items, arrays, budget, workers)
         # the zarr.json of an array whose chunks are all another process's: made durable here too
@@ -487,16 +494,20 @@ def _consume(store, staging, snap, items, arrays, budget, workers):
     return written, files, packed_info, sorted(mine), synced
 
 
-def _files(manifest: dict) -> set:
-    """Every file of the step `manifest` describes, but the manifest (relative to the step)."""
-    out = set(manifest["host"].values())
-    for rec in manifest["leaves"]:
-        if "b" in rec:
-            out.add(rec["b"])
+def _array_files(records) -> set:
+    """The zarr.json and chunk files of the array leaves among `records` (relative to the step)."""
+    out = set()
+    for rec in records:
         if "z" in rec:
             out.add(f"{rec['z']}/zarr.json")
             out.update(f"{rec['z']}/{fmt.chunk_key(idx)}" for idx in layout.chunks_of([(0, n) for n in rec["sh"]], rec["ch"]))
     return out
+
+
+def _files(manifest: dict) -> set:
+    """Every file of the step `manifest` describes, but the manifest (relative to the step)."""
+    return (set(manifest["host"].values()) | {rec["b"] for rec in manifest["leaves"] if "b" in rec}
+            | _array_files(manifest["leaves"]))
 
 
 def _manifest(step, snap: Snapshot, statuses, metrics, extra) -> dict:
