@@ -74,9 +74,10 @@ def write_chunk(path: str, view: np.ndarray, sync: bool = True, claim=None, dire
     path)` (e.g. `LocalStore.claim`) may hand over a deleted step's chunk file of the same size
     (`path` itself, in a reused staging directory): it is moved to `path` and overwritten in
     place, unless it is no longer a plain file with one link (a hard link elsewhere, e.g. a
-    backup, is never written through). Without a claim a file at `path` is replaced, never written. `direct` (``LocalStore.direct_io``):
-    the whole 4 KiB blocks of a page-aligned `view` go to the device with ``O_DIRECT``, without
-    the page cache (`_write_direct_blocks`); the rest, and the CRC, through the page cache.
+    backup, is never written through). Without a claim a file at `path` is replaced, never
+    written. `direct` (``LocalStore.direct_io``): the whole 4 KiB blocks of a page-aligned `view`
+    go to the device with ``O_DIRECT``, without the page cache (`_write_direct_blocks`); the rest,
+    and the CRC, through the page cache.
     Returns False when `direct` was asked for and the file system refused it (the caller may
     stop asking), else True."""
     flat = view.reshape(-1).view(np.uint8)

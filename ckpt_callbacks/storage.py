@@ -22,8 +22,9 @@ retention, local stores) keeps the hidden step's chunk files for the next save's
 (``claim_all``: one for each file of a box, or none) and overwrite in place; ``drop_reusable``
 removes what they left. ``begin(..., reuse_tree=True)`` (one writing process, nothing written
 before it) may instead rename the whole hidden directory to the staging directory, whose chunk
-files are then claimed by path; ``prune`` removes what the new manifest does not name. ``direct_io`` (LocalStore on ext4/XFS/btrfs/f2fs) lets `chunkwrite` send
-page-aligned chunk buffers past the page cache. ``leftovers`` lists only names this package
+files are then claimed by path; ``prune`` removes what the new manifest does not name.
+``direct_io`` (LocalStore on ext4/XFS/btrfs/f2fs) lets `chunkwrite` send page-aligned chunk
+buffers past the page cache. ``leftovers`` lists only names this package
 creates (``step_N.tmp-*``, ``step_N.del-*``; object stores: steps whose pending record belongs to
 no live save), and ``remove`` deletes one. Messages never contain an endpoint or a credential
 (``redact``/``scrub``); see docs/storage.md for URLs, credentials and atomicity.
@@ -107,9 +108,8 @@ class Store:
     def prune(self, staging: str, keep: set, pool=None, last: bool = True) -> None:
         """In a staging directory that `begin` reused: delete every file that is not in `keep`
         (relative to `staging`; an entry ending in "/" keeps everything under it), and the
-        directories left empty. The writer calls it right after
-        `begin` (``last=False``: the files it will write) and before the manifest (the files the
-        manifest names)."""
+        directories left empty. The writer calls it right after `begin` (``last=False``: the files
+        it will write) and before the manifest (the files the manifest names)."""
 
     def leftovers(self) -> list[str]:
         raise NotImplementedError

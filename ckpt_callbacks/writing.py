@@ -125,8 +125,8 @@ def write_and_commit(store: Store, step: int, snap: Snapshot, items, *, coord: C
             staging = store.begin(step, token, lead=pi == 0, reuse_tree=True)
             # a reused directory: first only the files this save will write again may stay there
             # (a leaf of another rank wants a file where a directory is, or the reverse)
-            store.prune(staging, _array_files(snap.records) | {"blobs/", "host/"}, pool=workers and workers.fsync,
-                        last=False)
+            store.prune(staging, _array_files(snap.records) | {"blobs/", "host/"},
+                        pool=workers and workers.fsync, last=False)
         else:
             staging = store.begin(step, token, lead=pi == 0)
         arrays = _open_arrays(store, staging, snap, coord, timeout_s, f"meta/{step}/{token}")
@@ -500,7 +500,8 @@ def _array_files(records) -> set:
     for rec in records:
         if "z" in rec:
             out.add(f"{rec['z']}/zarr.json")
-            out.update(f"{rec['z']}/{fmt.chunk_key(idx)}" for idx in layout.chunks_of([(0, n) for n in rec["sh"]], rec["ch"]))
+            grid = layout.chunks_of([(0, n) for n in rec["sh"]], rec["ch"])
+            out.update(f"{rec['z']}/{fmt.chunk_key(idx)}" for idx in grid)
     return out
 
 

@@ -397,6 +397,20 @@ def _save_reusing(store, step, tree, workers):
                                     reuse_tree=True)
 
 
+def _reuse_for(ckdir, old, new):
+    """Steps 1 and 2 of `old`; step 1 deleted by retention; step 3 of `new` in its directory."""
+    from ckpt_callbacks import writing
+    store, workers = storage.LocalStore(ckdir), writing.Workers()
+    try:
+        _save_reusing(store, 1, old, workers)
+        _save_reusing(store, 2, old, workers)
+        store.delete(1, reuse=True)
+        _save_reusing(store, 3, new, workers)
+    finally:
+        workers.close()
+    return store
+
+
 def _inodes(top) -> dict:
     out = {}
     for dirpath, dirs, files in os.walk(top):
@@ -446,14 +460,7 @@ def test_a_reused_directory_keeps_nothing_of_the_deleted_step_when_the_tree_chan
     old = {"w": r.standard_normal((512, 1024)).astype(np.float32), "gone": r.standard_normal((600, 600)).astype(np.float32),
            "small": [np.full(10, i, np.float32) for i in range(3)], "step": 1}
     new = {"w": r.standard_normal((2048, 256)).astype(np.float32), "x": np.arange(300000, dtype=np.int64), "step": 3}
-    store, workers = storage.LocalStore(ckdir), writing.Workers()
-    try:
-        _save_reusing(store, 1, old, workers)
-        _save_reusing(store, 2, old, workers)
-        store.delete(1, reuse=True)
-        _save_reusing(store, 3, new, workers)
-    finally:
-        workers.close()
+    store = _reuse_for(ckdir, old, new)
     m = cc.CheckpointManager(ckdir, read_only=True)
     assert_tree_equal(m.restore(3), new)
     assert verify.verify_step(store, 3) == []
@@ -497,7 +504,7 @@ def test_files_hard_linked_elsewhere_are_never_written_in_a_reused_directory(ckd
 def test_a_reused_directory_takes_a_tree_whose_leaves_changed_rank_or_place(ckdir, change):
     """A 2-d leaf's chunk `c/0/0` sits in a directory `c/0`, where a 1-d leaf's chunk is the file
     `c/0` (and the reverse): the reused directory first keeps only what this save writes again."""
-    from ckpt_callbacks import verify, writing
+    from ckpt_callbacks import verify
     r = np.random.default_rng(3)
     two, one = r.standard_normal((600, 600)).astype(np.float32), r.standard_normal(400000).astype(np.float32)
     old, new = {"a": two, "z": one}, {"a": one, "z": two}
@@ -505,13 +512,6 @@ def test_a_reused_directory_takes_a_tree_whose_leaves_changed_rank_or_place(ckdi
         old, new = new, old
     if change == "leaves renumbered":   # an optimizer state added in front: every array moves
         new = {"a": one, "b": two, "c": r.standard_normal((64, 64, 64)).astype(np.float32), "z": two}
-    store, workers = storage.LocalStore(ckdir), writing.Workers()
-    try:
-        _save_reusing(store, 1, old, workers)
-        _save_reusing(store, 2, old, workers)
-        store.delete(1, reuse=True)
-        _save_reusing(store, 3, new, workers)
-    finally:
-        workers.close()
+    store = _reuse_for(ckdir, old, new)
     assert_tree_equal(cc.CheckpointManager(ckdir, read_only=True).restore(3), new)
     assert verify.verify_step(store, 3) == []
