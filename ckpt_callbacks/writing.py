@@ -28,10 +28,8 @@ Who calls what, in order, on which process (every process runs this function for
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import dataclasses
 import json
-import os
 import threading
 import time
 
@@ -123,10 +121,11 @@ def write_and_commit(store: Store, step: int, snap: Snapshot, items, *, coord: C
             staging = store.staging(step, token)
         if reuse_tree and coord.process_count == 1:
             staging = store.begin(step, token, lead=pi == 0, reuse_tree=True)
-            # a reused directory: first only the files this save will write again may stay there
-            # (a leaf of another rank wants a file where a directory is, or the reverse)
-            store.prune(staging, _array_files(snap.records) | {"blobs/", "host/"},
-                        pool=workers and workers.fsync, last=False)
+            # a reused directory: first only the chunk files this save will write again may stay
+            # there (a leaf of another rank wants a file where a directory is, or the reverse);
+            # zarr.json goes too, so that tensorstore creates it with this save's metadata
+            chunks = {f for f in _array_files(snap.records) if not f.endswith("/zarr.json")}
+            store.prune(staging, chunks | {"blobs/", "host/"}, pool=workers and workers.fsync, last=False)
         else:
             staging = store.begin(step, token, lead=pi == 0)
         arrays = _open_arrays(store, staging, snap, coord, timeout_s, f"meta/{step}/{token}")
@@ -252,9 +251,6 @@ class _Arrays:
             if cached is not None:
                 self.store.write(f"{self.staging}/{self.recs[i]['z']}/zarr.json", cached, sync=False)
             else:
-                if self.store.local:   # a reused staging directory may hold another metadata's
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(self.store.path(f"{self.staging}/{self.recs[i]['z']}/zarr.json"))
                 futs[i] = (key, ts.open(spec, create=True, open=True, context=self.ctx))
         for i, (key, fut) in futs.items():
             self.handles[i] = fut.result()
