@@ -105,6 +105,12 @@ class Store:
         """Delete the files kept by ``delete(reuse=True)`` that no save claimed (`pool`: as for
         `sync`)."""
 
+    def holds(self, rel: str, data: bytes) -> bool:
+        """Whether `rel` is a file of a staging directory that `begin` reused, holding exactly
+        `data`: a file of the committed step that directory was (durable since that commit), which
+        the writer keeps as it is instead of writing it again. Asked before the save writes `rel`."""
+        return False
+
     def prune(self, staging: str, keep: set, pool=None, last: bool = True) -> None:
         """In a staging directory that `begin` reused: delete every file that is not in `keep`
         (relative to `staging`; an entry ending in "/" keeps everything under it), and the
@@ -321,6 +327,20 @@ class LocalStore(Store):
         # a staging directory holds no manifest before its own (written last, before the rename)
         _unlink_quiet(self.path(f"{rel}/{fmt.MANIFEST}"))
         return True
+
+    def holds(self, rel: str, data: bytes) -> bool:
+        with self._pool_lock:
+            if not any(rel.startswith(r + "/") for r in self._reused):
+                return False
+        try:
+            fd = os.open(self.path(rel), os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        except OSError:
+            return False
+        try:
+            st = os.fstat(fd)
+            return stat.S_ISREG(st.st_mode) and st.st_size == len(data) and os.read(fd, len(data) + 1) == data
+        finally:
+            os.close(fd)
 
     def prune(self, staging: str, keep: set, pool=None, last: bool = True) -> None:
         with self._pool_lock:

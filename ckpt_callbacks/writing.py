@@ -122,23 +122,29 @@ def write_and_commit(store: Store, step: int, snap: Snapshot, items, *, coord: C
         if reuse_tree and coord.process_count == 1:
             staging = store.begin(step, token, lead=pi == 0, reuse_tree=True)
             # a reused directory: first only the chunk files this save will write again may stay
-            # there (a leaf of another rank wants a file where a directory is, or the reverse);
-            # zarr.json goes too, so that tensorstore creates it with this save's metadata
-            chunks = {f for f in _array_files(snap.records) if not f.endswith("/zarr.json")}
-            store.prune(staging, chunks | {"blobs/", "host/"}, pool=workers and workers.fsync, last=False)
+            # there (a leaf of another rank wants a file where a directory is, or the reverse),
+            # and the zarr.json files whose bytes this process knows (`_Arrays.create` keeps those
+            # that hold them); any other zarr.json goes, for tensorstore to create it anew
+            keep = {f for f in _array_files(snap.records) if not f.endswith("/zarr.json")}
+            arrays = _Arrays(store, staging, snap)
+            keep |= {f"{snap.records[i]['z']}/zarr.json" for i in arrays.known}
+            store.prune(staging, keep | {"blobs/", "host/"}, pool=workers and workers.fsync, last=False)
         else:
             staging = store.begin(step, token, lead=pi == 0)
-        arrays = _open_arrays(store, staging, snap, coord, timeout_s, f"meta/{step}/{token}")
+            arrays = _Arrays(store, staging, snap)
+        _open_arrays(arrays, coord, timeout_s, f"meta/{step}/{token}")
         written, files, packed_info, mine, synced = _consume(store, staging, snap, items, arrays, budget, workers)
         # the zarr.json of an array whose chunks are all another process's: made durable here too
         written_to = set(mine)
-        mine += [f"{snap.records[i]['z']}/zarr.json" for i in arrays.created if snap.records[i]["z"] not in written_to]
+        mine += [f"{snap.records[i]['z']}/zarr.json" for i in arrays.created
+                 if snap.records[i]["z"] not in written_to and i not in arrays.kept]
         if host_state is not None:
             rel = f"host/p{pi}.msgpack"
             store.write(f"{staging}/{rel}", host_state, sync=False)   # made durable by store.sync below
             files += 1
             mine.append(rel)
-        store.sync([f"{staging}/{r}" for r in mine], skip=synced, pool=workers and workers.fsync)
+        kept = {f"{staging}/{snap.records[i]['z']}/zarr.json" for i in arrays.kept}   # durable already
+        store.sync([f"{staging}/{r}" for r in mine], skip=synced | kept, pool=workers and workers.fsync)
     except BaseException as e:  # noqa: BLE001 - reported to every process, then re-raised
         error = store.scrub(e)  # object stores: the message without endpoint or credentials
         if budget:
@@ -223,20 +229,29 @@ _ZARR_JSON: dict[str, bytes] = {}   # an array's zarr metadata (as JSON) -> the 
 _ZARR_JSON_MAX = 4096
 
 
+def _meta_key(store: Store, rec: dict) -> str | None:
+    """The `_ZARR_JSON` key of a leaf's zarr metadata (local stores only, else None)."""
+    return json.dumps(zarr_spec(store, "", rec)["metadata"], sort_keys=True) if store.local else None
+
+
 class _Arrays:
     """The step's zarr arrays, by leaf. `create` (process 0) makes every array's zarr.json; a
     tensorstore handle is opened when a leaf is first written through tensorstore (``arrays[i]``):
     local chunk files written by `chunkwrite` need none. Local stores: tensorstore writes the
     zarr.json of each distinct metadata once per process; later saves write the same bytes (they
-    depend on the metadata only), which spares a tensorstore open per array and save."""
+    depend on the metadata only), which spares a tensorstore open per array and save, or, in a
+    reused staging directory (`Store.holds`), keep the deleted step's file when it holds them."""
 
     def __init__(self, store: Store, staging: str, snap: Snapshot):
-        self.store, self.staging, self.recs = store, staging, snap.records
+        self.store, self.staging, self.recs, self.leaves = store, staging, snap.records, snap.array_leaves
         # local files: tensorstore need not fsync each chunk as it lands; `store.sync` fsyncs every
         # file this process wrote once all are written (one pass, before the commit)
         self.ctx = ts.Context({"file_io_sync": False}) if store.local else None
         self.handles: dict = {}
-        self.created: list = []   # leaves whose zarr.json this process made
+        # the zarr.json bytes known for each array leaf's metadata (local stores), looked up once
+        self.known = {i: b for i in self.leaves if (b := _ZARR_JSON.get(_meta_key(store, self.recs[i])))}
+        self.created: list = []   # leaves whose zarr.json this process made (or kept)
+        self.kept: set = set()    # of those, the leaves whose zarr.json a reused directory held already
 
     def spec(self, i: int) -> dict:
         return zarr_spec(self.store, f"{self.staging}/{self.recs[i]['z']}", self.recs[i])
@@ -245,13 +260,15 @@ class _Arrays:
         futs = {}
         self.created = list(leaves)
         for i in leaves:
-            spec = self.spec(i)
-            key = json.dumps(spec["metadata"], sort_keys=True) if self.store.local else None
-            cached = _ZARR_JSON.get(key) if key is not None else None
-            if cached is not None:
-                self.store.write(f"{self.staging}/{self.recs[i]['z']}/zarr.json", cached, sync=False)
+            cached = self.known.get(i)
+            rel = f"{self.staging}/{self.recs[i]['z']}/zarr.json"
+            if cached is not None and self.store.holds(rel, cached):
+                self.kept.add(i)
+            elif cached is not None:
+                self.store.write(rel, cached, sync=False)
             else:
-                futs[i] = (key, ts.open(spec, create=True, open=True, context=self.ctx))
+                futs[i] = (_meta_key(self.store, self.recs[i]),
+                           ts.open(self.spec(i), create=True, open=True, context=self.ctx))
         for i, (key, fut) in futs.items():
             self.handles[i] = fut.result()
             if key is not None:
@@ -266,18 +283,16 @@ class _Arrays:
         return h
 
 
-def _open_arrays(store, staging, snap, coord, timeout_s, barrier_name) -> _Arrays:
-    arrays = _Arrays(store, staging, snap)
+def _open_arrays(arrays: _Arrays, coord, timeout_s, barrier_name) -> None:
     failure = None
     if coord.process_index == 0:
         try:
-            arrays.create(snap.array_leaves)
+            arrays.create(arrays.leaves)
         except Exception as e:  # noqa: BLE001 - the others must not wait out the barrier for it
             failure = e
     coord.barrier(barrier_name, timeout_s) if coord.process_count > 1 else None
     if failure is not None:
         raise failure
-    return arrays
 
 
 class Workers:

@@ -3,6 +3,7 @@ durable atomic commits, bounded staging memory, phase timings."""
 
 import fcntl
 import functools
+import glob
 import os
 import threading
 import time
@@ -426,30 +427,64 @@ def _tree_a(k):
             "b": r.standard_normal(64).astype(np.float32), "step": k}
 
 
-def test_a_deleted_steps_directory_becomes_the_next_saves_and_is_overwritten_in_place(ckdir):
+def test_a_deleted_steps_directory_becomes_the_next_saves_and_is_overwritten_in_place(ckdir, monkeypatch):
     """Steady state on a disk: no directory or file is created or deleted; every chunk file is
-    rewritten in place; the step holds exactly its manifest's files and restores exactly."""
+    rewritten in place, every zarr.json kept as it is (neither written nor fsynced again); the
+    step holds exactly its manifest's files and restores exactly."""
     from ckpt_callbacks import verify, writing
     store, workers = storage.LocalStore(ckdir), writing.Workers()
+    touched = []
     try:
         _save_reusing(store, 1, _tree_a(1), workers)
         _save_reusing(store, 2, _tree_a(2), workers)
         before = _inodes(os.path.join(ckdir, "step_0000000001"))
         store.delete(1, reuse=True)
+        for name in ("write", "sync"):
+            real = getattr(store, name)
+            monkeypatch.setattr(store, name, lambda rel, *a, _real=real, **k: (touched.append(rel), _real(rel, *a, **k))[1])
+        monkeypatch.setattr(storage, "_fsync_path", lambda p, *a, _real=storage._fsync_path, **k: (touched.append(p), _real(p, *a, **k))[1])
         _save_reusing(store, 3, _tree_a(3), workers)
     finally:
         workers.close()
     after = _inodes(os.path.join(ckdir, "step_0000000003"))
     assert set(after) == set(before)
-    # every directory and chunk file is the deleted step's own (small files are written anew, and
-    # a freed inode number may come back, so nothing is said about them)
-    kept = {rel for rel in after if os.path.isdir(os.path.join(ckdir, "step_0000000003", rel)) or "/c/" in rel}
-    assert len(kept) == 2 + 2 * 4 and all(before[rel] == after[rel] for rel in kept)
+    # every directory, chunk file and zarr.json is the deleted step's own (blobs and the manifest
+    # are written anew, and a freed inode number may come back, so nothing is said about them)
+    kept = {rel for rel in after if os.path.isdir(os.path.join(ckdir, "step_0000000003", rel)) or "/c/" in rel
+            or rel.endswith("zarr.json")}
+    assert len(kept) == 2 + 2 * 5 and all(before[rel] == after[rel] for rel in kept)
+    assert touched and not any("zarr.json" in str(t) for t in touched)
     assert not any(".del-" in n or ".tmp-" in n for n in os.listdir(ckdir))
     m = cc.CheckpointManager(ckdir, read_only=True)
     assert m.all_steps() == [2, 3]
     assert_tree_equal(m.restore(3), _tree_a(3))
     assert verify.verify_step(store, 3) == []
+
+
+def test_a_reused_directorys_zarr_json_is_written_again_unless_it_holds_this_saves_bytes(ckdir):
+    """A zarr.json of the deleted step is kept only when its bytes are the ones this process
+    wrote for the same metadata: a file edited meanwhile (or replaced by a link) is written anew."""
+    from ckpt_callbacks import verify, writing
+    store, workers = storage.LocalStore(ckdir), writing.Workers()
+    try:
+        _save_reusing(store, 1, _tree_a(1), workers)
+        _save_reusing(store, 2, _tree_a(2), workers)
+        metas = sorted(glob.glob(os.path.join(ckdir, "step_0000000001", "arrays", "*", "zarr.json")))
+        good = [open(p, "rb").read() for p in metas]
+        with open(metas[0], "ab") as f:
+            f.write(b"\n")                               # still JSON, other bytes
+        os.unlink(metas[1])
+        os.symlink(os.path.join(ckdir, "step_0000000002", os.path.relpath(metas[1], os.path.join(ckdir, "step_0000000001"))),
+                   metas[1])
+        store.delete(1, reuse=True)
+        _save_reusing(store, 3, _tree_a(3), workers)
+    finally:
+        workers.close()
+    for p, data in zip(metas, good):
+        p3 = p.replace("step_0000000001", "step_0000000003")
+        assert not os.path.islink(p3) and open(p3, "rb").read() == data
+    assert verify.verify_step(store, 3) == []
+    assert_tree_equal(cc.CheckpointManager(ckdir, read_only=True).restore(3), _tree_a(3))
 
 
 def test_a_reused_directory_keeps_nothing_of_the_deleted_step_when_the_tree_changed(ckdir):
@@ -477,7 +512,8 @@ def test_a_reused_directory_keeps_nothing_of_the_deleted_step_when_the_tree_chan
 
 def test_files_hard_linked_elsewhere_are_never_written_in_a_reused_directory(ckdir, tmp_path):
     """`cp -al` of a step that retention then deletes: the next save reuses the directory but
-    replaces every linked file (chunks, zarr.json, blobs, manifest) instead of writing into it."""
+    never writes into a linked file: chunks, blobs and the manifest are replaced, a zarr.json
+    holding this save's bytes is kept as it is."""
     from ckpt_callbacks import writing
     store, workers = storage.LocalStore(ckdir), writing.Workers()
     backup = {}
