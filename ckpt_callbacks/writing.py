@@ -134,10 +134,9 @@ def write_and_commit(store: Store, step: int, snap: Snapshot, items, *, coord: C
             arrays = _Arrays(store, staging, snap)
         _open_arrays(arrays, coord, timeout_s, f"meta/{step}/{token}")
         written, files, packed_info, mine, synced = _consume(store, staging, snap, items, arrays, budget, workers)
-        # the zarr.json of an array whose chunks are all another process's: made durable here too
-        written_to = set(mine)
-        mine += [f"{snap.records[i]['z']}/zarr.json" for i in arrays.created
-                 if snap.records[i]["z"] not in written_to and i not in arrays.kept]
+        # the zarr.json files this process created (kept ones are durable already), also of arrays
+        # whose chunks are all another process's
+        mine += [f"{snap.records[i]['z']}/zarr.json" for i in arrays.created if i not in arrays.kept]
         if host_state is not None:
             rel = f"host/p{pi}.msgpack"
             store.write(f"{staging}/{rel}", host_state, sync=False)   # made durable by store.sync below
@@ -451,7 +450,7 @@ def _consume(store, staging, snap, items, arrays, budget, workers):
                 rels = done.result()   # a failed write (disk full) fails the save here
                 early.submit(rels)
                 written += w.nbytes
-                mine.add(snap.records[w.leaf]["z"])
+                mine.update(r[len(staging) + 1:] for r in rels)
                 files += len(rels)
                 continue
             if item[0] == "packed":
@@ -484,7 +483,8 @@ def _consume(store, staging, snap, items, arrays, budget, workers):
                 fut.add_done_callback(released(w.nbytes))
             futures.append(fut)
             written += w.nbytes
-            mine.add(rec["z"])
+            # local stores: the very files (`store.sync` then walks no directory), else the array
+            mine.update(r[len(staging) + 1:] for r in rels) if early else mine.add(rec["z"])
             files += max(1, int(np.prod([-(-(b - a) // c) for (a, b), c in zip(w.box, rec["ch"])])))
         flush()
         for f in futures:
