@@ -142,8 +142,7 @@ def write_and_commit(store: Store, step: int, snap: Snapshot, items, *, coord: C
             store.write(f"{staging}/{rel}", host_state, sync=False)   # made durable by store.sync below
             files += 1
             mine.append(rel)
-        kept = {f"{staging}/{snap.records[i]['z']}/zarr.json" for i in arrays.kept}   # durable already
-        store.sync([f"{staging}/{r}" for r in mine], skip=synced | kept, pool=workers and workers.fsync)
+        store.sync([f"{staging}/{r}" for r in mine], skip=synced, pool=workers and workers.fsync)
     except BaseException as e:  # noqa: BLE001 - reported to every process, then re-raised
         error = store.scrub(e)  # object stores: the message without endpoint or credentials
         if budget:
@@ -483,8 +482,10 @@ def _consume(store, staging, snap, items, arrays, budget, workers):
                 fut.add_done_callback(released(w.nbytes))
             futures.append(fut)
             written += w.nbytes
-            # local stores: the very files (`store.sync` then walks no directory), else the array
-            mine.update(r[len(staging) + 1:] for r in rels) if early else mine.add(rec["z"])
+            if early:   # local stores: the very files (`store.sync` then walks no directory)
+                mine.update(r[len(staging) + 1:] for r in rels)
+            else:
+                mine.add(rec["z"])
             files += max(1, int(np.prod([-(-(b - a) // c) for (a, b), c in zip(w.box, rec["ch"])])))
         flush()
         for f in futures:
