@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import json
 import threading
 import time
@@ -227,11 +228,6 @@ _ZARR_JSON: dict[str, bytes] = {}   # an array's zarr metadata (as JSON) -> the 
 _ZARR_JSON_MAX = 4096
 
 
-def _meta_key(store: Store, rec: dict) -> str | None:
-    """The `_ZARR_JSON` key of a leaf's zarr metadata (local stores only, else None)."""
-    return json.dumps(zarr_spec(store, "", rec)["metadata"], sort_keys=True) if store.local else None
-
-
 class _Arrays:
     """The step's zarr arrays, by leaf. `create` (process 0) makes every array's zarr.json; a
     tensorstore handle is opened when a leaf is first written through tensorstore (``arrays[i]``):
@@ -246,13 +242,23 @@ class _Arrays:
         # file this process wrote once all are written (one pass, before the commit)
         self.ctx = ts.Context({"file_io_sync": False}) if store.local else None
         self.handles: dict = {}
-        # the zarr.json bytes known for each array leaf's metadata (local stores), looked up once
-        self.known = {i: b for i in self.leaves if (b := _ZARR_JSON.get(_meta_key(store, self.recs[i])))}
         self.created: list = []   # leaves whose zarr.json this process made (or kept)
         self.kept: set = set()    # of those, the leaves whose zarr.json a reused directory held already
 
     def spec(self, i: int) -> dict:
         return zarr_spec(self.store, f"{self.staging}/{self.recs[i]['z']}", self.recs[i])
+
+    @functools.cached_property
+    def keys(self) -> dict:
+        """Each array leaf's `_ZARR_JSON` key: its zarr metadata as JSON (local stores, else None).
+        Computed only where asked: by `create` (process 0) and for a reused directory's prune."""
+        return {i: json.dumps(zarr_spec(self.store, "", self.recs[i])["metadata"], sort_keys=True)
+                if self.store.local else None for i in self.leaves}
+
+    @functools.cached_property
+    def known(self) -> dict:
+        """The zarr.json bytes this process already has for an array leaf's metadata, by leaf."""
+        return {i: b for i, k in self.keys.items() if (b := _ZARR_JSON.get(k))}
 
     def create(self, leaves) -> None:
         futs = {}
@@ -265,8 +271,7 @@ class _Arrays:
             elif cached is not None:
                 self.store.write(rel, cached, sync=False)
             else:
-                futs[i] = (_meta_key(self.store, self.recs[i]),
-                           ts.open(self.spec(i), create=True, open=True, context=self.ctx))
+                futs[i] = (self.keys[i], ts.open(self.spec(i), create=True, open=True, context=self.ctx))
         for i, (key, fut) in futs.items():
             self.handles[i] = fut.result()
             if key is not None:
