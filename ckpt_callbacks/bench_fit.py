@@ -17,7 +17,10 @@ timed span includes `on_train_end` (which waits for the last save). ``fit_repeat
 default: on this project's 2-vCPU VM a single fit varies by 10 % and more) run the variants in
 turn, every other round in reverse order, so noise and drift hit them alike (and each starts
 after an ``os.sync()``: Keras' ModelCheckpoint, for one, leaves its file to the kernel's
-writeback, which would otherwise land in the next variant's time); the best of the
+writeback, which would otherwise land in the next variant's time; and after a ``gc.collect()``:
+a full collection in this process takes ~130 ms, ~15 % of a fit here, and otherwise fell into
+one timed fit of one variant or another per run, whenever building the models had filled the
+oldest generation); the best of the
 rounds is kept for each variant (``overhead``: best against best), and every round's time is in
 ``samples``; ``round_overhead`` is the median over rounds of the overhead against the same
 round's fit without a callback.
@@ -25,6 +28,7 @@ round's fit without a callback.
 
 from __future__ import annotations
 
+import gc
 import math
 import os
 import shutil
@@ -100,6 +104,7 @@ def run(ctx, row) -> list:
             state_bytes = sum(int(np.prod(w.shape)) * np.dtype(w.dtype).itemsize for w in
                               model.trainable_variables + model.optimizer.variables)
             os.sync()   # the previous variant's unflushed writes are not this one's to pay for
+            gc.collect()   # nor the garbage of building the models (a full collection: ~130 ms)
             t0 = time.perf_counter()
             model.fit(x, y, batch_size=batch, epochs=ctx.fit_epochs, verbose=0, callbacks=cbs, shuffle=False)
             dt = time.perf_counter() - t0

@@ -201,3 +201,26 @@ def test_fit_runs_in_a_child_with_glibcs_default_mmap_threshold(monkeypatch):
     for w in ("big", "small", "reshard", "memory"):
         assert bench._child_env(w)["MALLOC_MMAP_THRESHOLD_"] == "131072"
     assert bench._child_env("fit")["JAX_PLATFORMS"] == "cpu"
+
+
+def test_each_timed_fit_starts_after_a_full_garbage_collection(tmp_path, monkeypatch):
+    """A full collection in a Keras process takes ~130 ms (~15 % of a bench fit): left to
+    chance it lands in one timed fit of one variant per run, so each timed fit starts right
+    after `gc.collect()` (untimed), whatever callback it runs."""
+    if not _keras_callback_importable():
+        pytest.skip("ckpt_callbacks.keras is not importable here")
+    import time as real_time
+    import types
+
+    from ckpt_callbacks import bench_fit
+    from ckpt_callbacks import bench_workloads as bw
+    events = []
+    monkeypatch.setattr(bench_fit, "gc", types.SimpleNamespace(collect=lambda: events.append("gc")))
+    monkeypatch.setattr(bench_fit, "time", types.SimpleNamespace(
+        perf_counter=lambda: events.append("clock") or real_time.perf_counter()))
+    ctx = bw.Context(root=str(tmp_path), storage="disk", scale=0.001, fit_epochs=1, fit_repeats=2, log=lambda m: None)
+    rows = bench_fit.run(ctx, bw._row)
+    timed = [r for r in rows if not r.get("skipped")]
+    assert {r["peer"] for r in timed} >= {"none", "ckpt_callbacks", "keras-ModelCheckpoint"}
+    n = sum(r["repeats"] for r in timed)
+    assert events == ["gc", "clock", "clock"] * n   # collected, then the fit's start and end read
