@@ -207,7 +207,8 @@ class leaf_reader:
         # allocated only once the stored chunks are known to hold the declared shape
         outs = [chunkread.aligned_empty(layout.box_shape(b), fmt.storage_dtype(rec["dt"])) for b in boxes]
         if self.store.local and chunkread.direct(arr):
-            chunkread.read_boxes(self.store.path(f"{self.base}/{rec['z']}"), rec, boxes, outs, where)
+            chunkread.read_boxes(self.store.path(f"{self.base}/{rec['z']}"), rec, boxes, outs, where,
+                                 mapped=self.store.in_memory)
         else:
             for b, out in zip(boxes, outs):
                 try:   # decoded straight into our buffer

@@ -24,7 +24,8 @@ removes what they left. ``begin(..., reuse_tree=True)`` (one writing process, no
 before it) may instead rename the whole hidden directory to the staging directory, whose chunk
 files are then claimed by path; ``prune`` removes what the new manifest does not name.
 ``direct_io`` (LocalStore on ext4/XFS/btrfs/f2fs) lets `chunkwrite` send page-aligned chunk
-buffers past the page cache. ``leftovers`` lists only names this package
+buffers past the page cache; ``in_memory`` (LocalStore on tmpfs/ramfs) lets `chunkread` map chunk
+files that several target shards share instead of copying them into a buffer first. ``leftovers`` lists only names this package
 creates (``step_N.tmp-*``, ``step_N.del-*``; object stores: steps whose pending record belongs to
 no live save), and ``remove`` deletes one. Messages never contain an endpoint or a credential
 (``redact``/``scrub``); see docs/storage.md for URLs, credentials and atomicity.
@@ -52,6 +53,7 @@ class Store:
     url: str
     local: bool
     direct_io: bool = False   # chunk files may bypass the page cache (``O_DIRECT``; LocalStore on disk)
+    in_memory: bool = False   # chunk files live in memory (tmpfs): a restore may map them (chunkread)
 
     def kvstore(self, rel: str) -> dict:
         raise NotImplementedError
@@ -212,6 +214,7 @@ def _tree(top: str) -> tuple[list[str], list[str]]:
 
 
 _DIRECT_FS = {"ext2", "ext3", "ext4", "xfs", "btrfs", "f2fs", "bcachefs"}   # local block devices
+_MEMORY_FS = {"tmpfs", "ramfs"}   # their page cache is the storage: mapping a file reads nothing
 
 
 def _fs_type(path: str, mounts: str = "/proc/self/mounts") -> str:
@@ -251,7 +254,9 @@ class LocalStore(Store):
         # on a local disk, page-aligned chunk buffers are written with O_DIRECT (chunkwrite); not on
         # a memory file system (tmpfs: its page cache is the storage), nor over a network or FUSE,
         # where direct I/O means a synchronous round trip per write, or is refused
-        self.direct_io = hasattr(os, "O_DIRECT") and _fs_type(self.root) in _DIRECT_FS
+        kind = _fs_type(self.root)
+        self.direct_io = hasattr(os, "O_DIRECT") and kind in _DIRECT_FS
+        self.in_memory = kind in _MEMORY_FS
         self._kept: list[str] = []              # hidden (.del-) step directories kept for reuse
         self._pool: dict[int, list[str]] = {}   # their chunk files by size
         self._inplace: dict[str, int] = {}      # chunk files of a kept directory made staging: size

@@ -134,18 +134,25 @@ def test_boxes_that_cut_chunks_read_each_chunk_once(tmp_path, rows, cols):
         np.testing.assert_array_equal(out, x[r0:r1, c0:c1])
 
 
-@pytest.fixture(params=[1, 192, 1 << 20], ids=["band=1row", "band=192B", "band=1MiB"])
-def band(request, monkeypatch):
-    """Shared chunks are read in bands of BAND_BYTES: one row, a few rows that do not divide the
-    chunk (3 rows of a 16-row float32 chunk of 16 columns), or the whole chunk at once."""
+@pytest.fixture(params=[1, 192, 1 << 20, "mapped"], ids=["band=1row", "band=192B", "band=1MiB", "mapped"])
+def shared(request, monkeypatch):
+    """How shared chunks are read (`read_boxes`' keyword arguments): in bands of BAND_BYTES (one
+    row, a few rows that do not divide the chunk: 3 rows of a 16-row float32 chunk of 16
+    columns, or the whole chunk at once), or from a mapping of the file (memory file systems),
+    then never through a band."""
+    if request.param == "mapped":
+        def no_band(*a, **k):
+            raise AssertionError("a mapped read went through a band")
+        monkeypatch.setattr(chunkread, "_read_banded", no_band)
+        return {"mapped": True}
     monkeypatch.setattr(chunkread, "BAND_BYTES", request.param)
-    return request.param
+    return {}
 
 
 @pytest.mark.parametrize("shape,chunks,dtype", [((64, 48), (16, 16), "float32"), ((50, 30), (16, 16), "float64"),
                                                 ((7, 5, 3), (2, 5, 3), "uint8"), ((33,), (8,), "bool"),
                                                 ((6, 1000), (3, 1000), "int32"), ((20, 6), (8, 6), "bfloat16")])
-def test_chunks_split_between_boxes_match_tensorstore(tmp_path, shape, chunks, dtype, band):
+def test_chunks_split_between_boxes_match_tensorstore(tmp_path, shape, chunks, dtype, shared):
     root, rec, x, arr = write(tmp_path, shape, chunks, dtype)
     # boxes that cut every chunk in every dimension: halves of each chunk, plus a box spanning chunks
     cuts = [sorted({0, n} | {min(n, i + max(1, c // 2)) for i in range(0, n, c)} | set(range(0, n, c)))
@@ -153,16 +160,16 @@ def test_chunks_split_between_boxes_match_tensorstore(tmp_path, shape, chunks, d
     boxes = list(itertools.product(*[list(zip(cs, cs[1:])) for cs in cuts]))
     boxes.append(tuple((n // 3, n) for n in shape))   # overlaps the others
     outs = [aligned_empty(tuple(b - a for a, b in box), np.dtype(dtype)) for box in boxes]
-    chunkread.read_boxes(root, rec, boxes, outs, "['x']")
+    chunkread.read_boxes(root, rec, boxes, outs, "['x']", **shared)
     for box, out in zip(boxes, outs):
         assert out.tobytes() == x[tuple(slice(a, b) for a, b in box)].tobytes(), box
 
 
 @pytest.mark.parametrize("shape,chunks,box", [((32, 16), (16, 16), ((0, 16), (0, 16))), ((), (), ())])
-def test_a_box_listed_twice_gets_the_whole_chunk_both_times(tmp_path, shape, chunks, box, band):
+def test_a_box_listed_twice_gets_the_whole_chunk_both_times(tmp_path, shape, chunks, box, shared):
     root, rec, x, _ = write(tmp_path, shape, chunks, "int16")
     outs = [aligned_empty(layout.box_shape(box), np.int16) for _ in range(2)]
-    chunkread.read_boxes(root, rec, [box, box], outs, "['x']")
+    chunkread.read_boxes(root, rec, [box, box], outs, "['x']", **shared)
     for out in outs:
         np.testing.assert_array_equal(out, x[tuple(slice(a, b) for a, b in box)])
 
@@ -174,7 +181,7 @@ def test_buffers_are_64_byte_aligned():
 
 
 @pytest.mark.parametrize("byte", [0, 700, 1023])   # first, middle and last byte of the chunk's data
-def test_damage_in_a_chunk_shared_by_boxes_is_refused(tmp_path, byte, band):
+def test_damage_in_a_chunk_shared_by_boxes_is_refused(tmp_path, byte, shared):
     root, rec, x, _ = write(tmp_path, (64, 48), (16, 16), "float32")
     path = _chunk(root, 1, 2)
     data = bytearray(open(path, "rb").read())
@@ -184,12 +191,13 @@ def test_damage_in_a_chunk_shared_by_boxes_is_refused(tmp_path, byte, band):
     outs = [aligned_empty((8, 16), np.float32), aligned_empty((8, 8), np.float32),
             aligned_empty((8, 8), np.float32)]
     with pytest.raises(CorruptCheckpointError, match="checksum mismatch") as e:
-        chunkread.read_boxes(root, rec, boxes, outs, "['params']['w']")
+        chunkread.read_boxes(root, rec, boxes, outs, "['params']['w']", **shared)
     assert e.value.key_path == "['params']['w']"
 
 
+@pytest.mark.parametrize("mapped", [False, True], ids=["band", "mapped"])
 @pytest.mark.parametrize("damage", ["truncate", "grow", "delete"])
-def test_shared_chunk_with_a_wrong_size_or_missing_is_refused(tmp_path, damage):
+def test_shared_chunk_with_a_wrong_size_or_missing_is_refused(tmp_path, damage, mapped):
     root, rec, x, _ = write(tmp_path, (64, 48), (16, 16), "float32")
     path = _chunk(root, 0, 0)
     if damage == "delete":
@@ -199,4 +207,21 @@ def test_shared_chunk_with_a_wrong_size_or_missing_is_refused(tmp_path, damage):
         open(path, "wb").write(data[:-8] if damage == "truncate" else data + b"\0")
     out = aligned_empty((8, 8), np.float32)
     with pytest.raises(CorruptCheckpointError, match=r"\['w'\]"):
-        chunkread.read_boxes(root, rec, [((4, 12), (4, 12))], [out], "['w']")
+        chunkread.read_boxes(root, rec, [((4, 12), (4, 12))], [out], "['w']", mapped=mapped)
+
+
+def test_a_file_that_cannot_be_mapped_is_read_through_a_band(tmp_path, monkeypatch):
+    """`mapped` is a preference: where the file system refuses to map a file (ENODEV), the
+    chunk is read band by band instead, with the same result."""
+    root, rec, x, _ = write(tmp_path, (64, 48), (16, 16), "float32")
+    calls = []
+
+    def refuse(*a, **k):
+        calls.append(a)
+        raise OSError(19, "No such device")
+    monkeypatch.setattr(chunkread.mmap, "mmap", refuse)
+    boxes = [((0, 64), (0, 24)), ((0, 64), (24, 48))]   # no chunk is contiguous in its box
+    outs = [aligned_empty((64, 24), np.float32) for _ in boxes]
+    chunkread.read_boxes(root, rec, boxes, outs, "['x']", mapped=True)
+    assert len(calls) == 12   # every chunk (4 x 3) was offered to mmap, then read through a band
+    np.testing.assert_array_equal(np.concatenate(outs, axis=1), x)

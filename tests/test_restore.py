@@ -1,6 +1,9 @@
 """Engine core: save/restore of every leaf kind, resharding, partial reads, checksums, errors."""
 
 import os
+import pathlib
+import shutil
+import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -9,6 +12,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 import ckpt_callbacks as cc
+from ckpt_callbacks import chunkread, storage
 from ckpt_callbacks import restore as restore_mod
 from ckpt_callbacks.storage import open_store
 from helpers import DTYPES, Pair, State, assert_tree_equal, bytes_read, np_dtype, random_array
@@ -77,16 +81,39 @@ def test_dtypes_roundtrip_as_numpy_and_jax(ckdir, dtype):
     assert out["jbig"].sharding == sh
 
 
+@pytest.fixture(params=["disk", "tmpfs"])
+def storage_dir(request, tmp_path):
+    """A directory on the test's temporary file system, or on /dev/shm (a memory file system:
+    chunks that several target shards share are then read from a mapping of their file)."""
+    if request.param == "disk":
+        yield tmp_path
+        return
+    if storage._fs_type("/dev/shm") not in storage._MEMORY_FS or not os.access("/dev/shm", os.W_OK):
+        pytest.skip("no writable tmpfs at /dev/shm")
+    d = tempfile.mkdtemp(prefix="ckpt-test-", dir="/dev/shm")
+    try:
+        yield pathlib.Path(d)
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
 @pytest.mark.parametrize("src", list(shardings()))
-def test_reshard_cross_product(tmp_path, src):
-    """5+ save shardings x 6 restore shardings, including an uneven shape."""
+def test_reshard_cross_product(storage_dir, src, monkeypatch):
+    """5+ save shardings x 6 restore shardings, including an uneven shape; on a memory file
+    system the chunks the target cuts are read from mappings of their files, else through a band."""
+    calls = {"mapped": 0, "banded": 0}
+    for kind in calls:
+        def spy(*a, kind=kind, real=getattr(chunkread, f"_read_{kind}"), **k):
+            calls[kind] += 1
+            return real(*a, **k)
+        monkeypatch.setattr(chunkread, f"_read_{kind}", spy)
     shapes = [(64, 48), (8, 8)]
     if src in ("replicated", "single"):
         shapes.append((13, 7))  # uneven: only where JAX allows it
     data = {f"x{i}": random_array(s, "float32", i) for i, s in enumerate(shapes)}
     data["big"] = random_array((512, 1024), "float32", 9)  # > pack limit: goes through zarr
     tree = {k: jax.device_put(v, shardings()[src]) for k, v in data.items()}
-    d = str(tmp_path / src)
+    d = str(storage_dir / src)
     save(d, tree)
     m = cc.CheckpointManager(d, read_only=True)
     for name, dst in shardings().items():
@@ -98,6 +125,9 @@ def test_reshard_cross_product(tmp_path, src):
             assert (v.sharding == dst) if target[k] is not None else isinstance(v, np.ndarray), (src, name, k)
             np.testing.assert_array_equal(np.asarray(v), data[k])
     assert m.restore()["big"].shape == (512, 1024)
+    mapped = m.store.in_memory
+    assert mapped or not str(storage_dir).startswith("/dev/shm/")
+    assert (calls["mapped"] > 0, calls["banded"] > 0) == ((True, False) if mapped else (False, True)), calls
 
 
 def _allowed(sharding, shape):

@@ -448,7 +448,7 @@ tmpfs /data/nfs tmpfs rw 0 0
     assert storage._fs_type("/x", str(tmp_path / "none")) == ""
 
 
-def test_a_local_store_bypasses_the_page_cache_only_on_a_local_disk(tmp_path):
+def test_a_local_store_bypasses_the_page_cache_only_on_a_local_disk_and_maps_only_on_a_memory_one(tmp_path):
     mnt = tmp_path / "a tmpfs"          # /proc/self/mounts writes the space as \040
     mnt.mkdir()
     r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True, text=True)
@@ -457,8 +457,10 @@ def test_a_local_store_bypasses_the_page_cache_only_on_a_local_disk(tmp_path):
     try:
         assert storage._fs_type(str(mnt / "ck" / "not yet")) == "tmpfs"
         assert open_store(str(mnt / "ck")).direct_io is False
+        assert open_store(str(mnt / "ck")).in_memory is True
         beside = storage._fs_type(str(tmp_path / "ck"))
         assert beside and beside == storage._fs_type(str(tmp_path))   # (ck does not exist yet)
         assert open_store(str(tmp_path / "ck")).direct_io is (beside in storage._DIRECT_FS)
+        assert open_store(str(tmp_path / "ck")).in_memory is (beside in ("tmpfs", "ramfs"))
     finally:
         subprocess.run(["umount", "-l", str(mnt)], check=False)
