@@ -82,10 +82,13 @@ def evict(path: str) -> None:
 
 
 def bytes_read() -> int:
-    """Bytes this process has read through read(2)-family calls so far (``rchar``: every library,
-    page cache or not; tensorstore's file kvstore and Python file reads alike)."""
+    """Bytes this process has read so far: through read(2)-family calls (``rchar``: every library,
+    page cache or not; tensorstore's file kvstore and Python file reads alike), plus what
+    `chunkread` read from mappings of chunk files (tmpfs), which ``rchar`` does not see."""
     import psutil
-    return psutil.Process().io_counters().read_chars
+
+    from . import chunkread
+    return psutil.Process().io_counters().read_chars + chunkread.bytes_mapped()
 
 
 def ts_bytes_read() -> int:

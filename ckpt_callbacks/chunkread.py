@@ -35,6 +35,7 @@ import math
 import mmap
 import os
 import stat
+import threading
 
 import numpy as np
 
@@ -191,8 +192,20 @@ def _read_mapped(path: str, shape: tuple, dtype, parts: list, where: str) -> boo
             m.close()
         except BufferError:   # a view still alive in a traceback: closed when it goes
             pass
+    with _mapped_lock:
+        _mapped[0] += nbytes + 4
     _check(crc, tail, path, where)
     return True
+
+
+_mapped = [0]   # bytes of chunk files read from mappings in this process (`bytes_mapped`)
+_mapped_lock = threading.Lock()
+
+
+def bytes_mapped() -> int:
+    """Bytes of chunk files (data and CRC) this process has read from mappings so far: reads that
+    ``read(2)`` counters (``rchar``) do not see. `ckpt-callbacks bench` adds them to its own."""
+    return _mapped[0]
 
 
 def _copy_out(m: mmap.mmap, nbytes: int, shape: tuple, dtype, parts: list) -> tuple[int, bytearray]:

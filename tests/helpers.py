@@ -65,8 +65,9 @@ def assert_tree_equal(a, b):
 
 
 def bytes_read():
-    """Bytes this process has read through read(2)-family calls so far (``rchar``: tensorstore's
-    reads and the restore's own chunk reads alike); the bench's own counter."""
+    """Bytes this process has read so far through read(2)-family calls (``rchar``: tensorstore's
+    reads and the restore's own chunk reads alike) and from mappings of chunk files (tmpfs);
+    the bench's own counter."""
     from ckpt_callbacks.bench_peers import bytes_read as rchar
     return rchar()
 

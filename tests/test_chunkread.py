@@ -121,15 +121,19 @@ def test_storage_dtype_of_exotic_dtypes_reads_bit_exactly(tmp_path):
 
 @pytest.mark.parametrize("rows,cols", [([0, 24, 64], [0, 20, 48]), ([0, 32, 64], [0, 8, 16, 24, 32, 40, 48]),
                                        ([0, 64], [0, 48]), ([0, 1, 63, 64], [0, 47, 48])])
-def test_boxes_that_cut_chunks_read_each_chunk_once(tmp_path, rows, cols):
+@pytest.mark.parametrize("mapped", [False, True], ids=["read", "mapped"])
+def test_boxes_that_cut_chunks_read_each_chunk_once(tmp_path, rows, cols, mapped):
+    """Counted as the bench counts (read(2)'s ``rchar`` plus the chunk bytes read from mappings)."""
     from helpers import bytes_read
     root, rec, x, _ = write(tmp_path, (64, 48), (16, 16), "float32")
     boxes = [((r0, r1), (c0, c1)) for r0, r1 in zip(rows, rows[1:]) for c0, c1 in zip(cols, cols[1:])]
     outs = [aligned_empty((r1 - r0, c1 - c0), np.float32) for (r0, r1), (c0, c1) in boxes]
-    before = bytes_read()
-    chunkread.read_boxes(root, rec, boxes, outs, "['x']")
+    before, mapped_before = bytes_read(), chunkread.bytes_mapped()
+    chunkread.read_boxes(root, rec, boxes, outs, "['x']", mapped=mapped)
     got = bytes_read() - before
     assert 12 * (16 * 16 * 4 + 4) <= got < 12 * (16 * 16 * 4 + 4) + 512, got   # 4 x 3 chunks, each once
+    if mapped:   # no case here has every chunk whole and contiguous in one box
+        assert 0 < chunkread.bytes_mapped() - mapped_before <= got
     for ((r0, r1), (c0, c1)), out in zip(boxes, outs):
         np.testing.assert_array_equal(out, x[r0:r1, c0:c1])
 
