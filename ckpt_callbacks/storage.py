@@ -25,9 +25,9 @@ before it) may instead rename the whole hidden directory to the staging director
 files are then claimed by path; ``prune`` removes what the new manifest does not name.
 ``direct_io`` (LocalStore on ext4/XFS/btrfs/f2fs) lets `chunkwrite` send page-aligned chunk
 buffers past the page cache; ``in_memory`` (LocalStore on tmpfs/ramfs) lets `chunkread` map chunk
-files that several target shards share instead of copying them into a buffer first. ``leftovers`` lists only names this package
-creates (``step_N.tmp-*``, ``step_N.del-*``; object stores: steps whose pending record belongs to
-no live save), and ``remove`` deletes one. Messages never contain an endpoint or a credential
+files that several target shards share instead of copying them into a buffer first.
+``leftovers`` lists only names this package creates (``step_N.tmp-*``, ``step_N.del-*``; object
+stores: steps whose pending record belongs to no live save), and ``remove`` deletes one. Messages never contain an endpoint or a credential
 (``redact``/``scrub``); see docs/storage.md for URLs, credentials and atomicity.
 """
 
