@@ -68,8 +68,8 @@ def bytes_read():
     """Bytes this process has read so far through read(2)-family calls (``rchar``: tensorstore's
     reads and the restore's own chunk reads alike) and from mappings of chunk files (tmpfs);
     the bench's own counter."""
-    from ckpt_callbacks.bench_peers import bytes_read as rchar
-    return rchar()
+    from ckpt_callbacks.bench_peers import bytes_read as counted
+    return counted()
 
 
 def skip_without_direct_io(directory) -> None:

@@ -461,6 +461,6 @@ def test_a_local_store_bypasses_the_page_cache_only_on_a_local_disk_and_maps_onl
         beside = storage._fs_type(str(tmp_path / "ck"))
         assert beside and beside == storage._fs_type(str(tmp_path))   # (ck does not exist yet)
         assert open_store(str(tmp_path / "ck")).direct_io is (beside in storage._DIRECT_FS)
-        assert open_store(str(tmp_path / "ck")).in_memory is (beside in ("tmpfs", "ramfs"))
+        assert open_store(str(tmp_path / "ck")).in_memory is (beside in storage._MEMORY_FS)
     finally:
         subprocess.run(["umount", "-l", str(mnt)], check=False)
