@@ -378,9 +378,10 @@ class WriteThrough:
     tmpfs, network or FUSE mounts; on a disk the pool's copies go by O_DIRECT and leave almost no
     cached pages to overwrite): the chunk files of a host-side box (numpy, CPU jax) are written at
     once, straight from the caller's buffer, on the chunk threads, over the files of a step that
-    retention deleted (the steady state of a run with `KeepLast`), instead of copying the box and
-    writing the copy later: the state crosses memory once instead of twice. A box without such
-    files is declined (copied, and written later).
+    retention deleted (the steady state of a run with `KeepLast`), or on a memory file system as
+    new files, instead of copying the box and writing the copy later: the state crosses memory
+    once instead of twice. Elsewhere a box without such files is declined (copied, and written
+    later).
     `copy` waits for these writes before the save returns, so the caller may donate or mutate its
     buffers as usual; the writer then fsyncs the files, commits and retains as for any other box.
 
@@ -401,11 +402,13 @@ class WriteThrough:
         if todo is None:
             return None
         rels, views = todo
-        # Only over a deleted step's files (`LocalStore.claim`): filling fresh pages costs several
-        # times the CPU of overwriting cached ones, and the caller would wait for all of it.
         claimed = self.store.claim_all([chunkwrite.file_bytes(v) for v in views])
-        if claimed is None:
+        if claimed is None and not self.store.in_memory:
+            # Elsewhere (a network or FUSE mount) only over a deleted step's files: creating a
+            # file may wait for a server, and the caller would wait for it.
             return None
+        # In memory (tmpfs) fresh files too: their pages are filled once, here, where a copy
+        # would fill a pool buffer first and new file pages later, in the background, anyway.
         return self.pool.submit(_write_chunk_files, self.store, rels, views, claimed)
 
 
