@@ -180,7 +180,10 @@ def _read_mapped(path: str, shape: tuple, dtype, parts: list, where: str) -> boo
     nbytes = math.prod(shape) * dtype.itemsize
     fd = _open(path, nbytes, where)
     try:
-        m = mmap.mmap(fd, nbytes + 4, mmap.MAP_SHARED, mmap.PROT_READ)
+        # populated at once: every byte is read (the CRC), and one call maps the cached pages
+        # that page faults would map 16 at a time (one device from 4x2 on tmpfs: median restore
+        # 0.28 s against 0.30-0.34 s, and fewer slow ones)
+        m = mmap.mmap(fd, nbytes + 4, mmap.MAP_SHARED | _POPULATE, mmap.PROT_READ)
     except (OSError, ValueError):   # a file system that cannot map files
         return False
     finally:
@@ -198,6 +201,7 @@ def _read_mapped(path: str, shape: tuple, dtype, parts: list, where: str) -> boo
     return True
 
 
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)   # Linux; elsewhere pages are mapped as they are read
 _mapped = [0]   # bytes of chunk files read from mappings in this process (`bytes_mapped`)
 _mapped_lock = threading.Lock()
 

@@ -1,8 +1,10 @@
 """Direct reads of whole local zarr3 chunks: byte-identical to tensorstore's reads, strict about damage."""
 
 import itertools
+import mmap
 import os
 import shutil
+import sys
 
 import numpy as np
 import pytest
@@ -229,3 +231,17 @@ def test_a_file_that_cannot_be_mapped_is_read_through_a_band(tmp_path, monkeypat
     chunkread.read_boxes(root, rec, boxes, outs, "['x']", mapped=True)
     assert len(calls) == 12   # every chunk (4 x 3) was offered to mmap, then read through a band
     np.testing.assert_array_equal(np.concatenate(outs, axis=1), x)
+
+
+def test_a_mapped_chunk_is_populated_at_once_where_the_platform_can(tmp_path, monkeypatch):
+    """Every byte of a mapped chunk is read (its CRC), so the mapping asks for all its pages at
+    once (``MAP_POPULATE``, Linux) instead of a page fault per few pages."""
+    root, rec, x, _ = write(tmp_path, (64, 48), (16, 16), "float32")
+    real, flags = chunkread.mmap.mmap, []
+    monkeypatch.setattr(chunkread.mmap, "mmap", lambda fd, n, f, prot: (flags.append(f), real(fd, n, f, prot))[1])
+    out = aligned_empty((64, 24), np.float32)
+    chunkread.read_boxes(root, rec, [((0, 64), (0, 24))], [out], "['x']", mapped=True)
+    np.testing.assert_array_equal(out, x[:, :24])
+    assert len(flags) == 8 and all(f & mmap.MAP_SHARED for f in flags)   # 4 x 2 chunks, none contiguous
+    if sys.platform.startswith("linux"):
+        assert all(f & mmap.MAP_POPULATE for f in flags)
