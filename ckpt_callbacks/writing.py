@@ -386,11 +386,11 @@ class WriteThrough:
     buffers as usual; the writer then fsyncs the files, commits and retains as for any other box.
 
     Who calls what: `CheckpointManager.save` builds one per save (such stores, every process;
-    it acts only where the snapshot goes to the HostPool, i.e. small host-side states, and only
-    over files kept by this process's store: retention deletes on process 0, so with several
-    processes the others decline every box) and hands it to `snapshot.copy` on the caller's
-    thread; the files land in the staging directory that the writer thread's ``store.begin``
-    names (created by whichever comes first)."""
+    it acts only where the snapshot goes to the HostPool, i.e. small host-side states, and off a
+    memory file system only over files kept by this process's store: retention deletes on
+    process 0, so with several processes the others decline every box there) and hands it to
+    `snapshot.copy` on the caller's thread; the files land in the staging directory that the
+    writer thread's ``store.begin`` names (created by whichever comes first)."""
 
     def __init__(self, store: Store, step: int, token: str, snap: Snapshot, workers: Workers):
         self.store, self.snap, self.pool = store, snap, workers.chunks
