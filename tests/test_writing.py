@@ -66,7 +66,7 @@ def test_pooled_buffers_serve_the_next_save_and_every_step_restores_exactly(ckdi
     def step(state):
         return jax.tree.map(lambda x: ~x if x.dtype == bool else x * 2 + 1, state)
 
-    state, expected = sharded_state(), {}
+    state, expected, before = sharded_state(), {}, None
     mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("a", "b"))
     state["flags"] = jax.device_put(jnp.arange(1024 * 1152).reshape(1024, 1152) % 3 == 0, NamedSharding(mesh, P("a")))
     with cc.CheckpointManager(ckdir, retention=cc.KeepLast(2)) as m:
@@ -78,8 +78,8 @@ def test_pooled_buffers_serve_the_next_save_and_every_step_restores_exactly(ckdi
             lent = sorted(b.ctypes.data for b in m._pool._lent)
             if in_memory:                # every save writes w's 8 shards through, also as new files (k < 4);
                 # flags, b and count are copied, into the buffers of the save before
-                assert len(lent) == 4 + 2 and (k == 1 or lent == lent1)
-                lent1 = lent
+                assert len(lent) == 4 + 2 and (k == 1 or lent == before)
+                before = lent
                 continue
             if k == 2:                   # the 8 shards of w, the 4 of flags, b and count
                 assert len(lent) == 8 + 4 + 2
@@ -100,6 +100,28 @@ def test_pooled_buffers_serve_the_next_save_and_every_step_restores_exactly(ckdi
     assert m._pool._lent == [] and m._pool._free == {}    # close() frees the buffers
     # on a disk every save's 8 page-aligned copies of w's 256 KiB shards went by O_DIRECT
     assert sum(map(bool, direct_writes)) == (6 * 8 if direct_io else 0)
+
+
+def test_in_memory_saves_without_kept_files_write_new_files_through_and_restore_exactly(ckdir):
+    """On a memory file system every save writes the chunk files it can straight from the
+    caller's buffers before returning, as new files where retention kept none (here: no
+    retention, so never any); the caller donates them at once, and every step restores exactly."""
+    @functools.partial(jax.jit, donate_argnums=0)
+    def step(state):
+        return jax.tree.map(lambda x: x * 2 + 1, state)
+
+    state, expected = sharded_state(), {}
+    with cc.CheckpointManager(ckdir) as m:
+        m.store.direct_io, m.store.in_memory = False, True   # as LocalStore decides on tmpfs
+        for k in range(1, 4):
+            expected[k] = jax.tree.map(np.asarray, state)
+            m.save(k, state)
+            assert len(m._pool._lent) == 2   # b and count copied; w's 8 shards written, not copied
+            state = step(state)
+            m.wait_until_finished()
+        assert m.all_steps() == [1, 2, 3]
+        for k in (1, 2, 3):
+            assert_tree_equal(m.restore(k), expected[k])
 
 
 def test_numpy_mutated_after_save_does_not_leak(ckdir):
