@@ -24,11 +24,13 @@ removes what they left. ``begin(..., reuse_tree=True)`` (one writing process, no
 before it) may instead rename the whole hidden directory to the staging directory, whose chunk
 files are then claimed by path; ``prune`` removes what the new manifest does not name.
 ``direct_io`` (LocalStore on ext4/XFS/btrfs/f2fs) lets `chunkwrite` send page-aligned chunk
-buffers past the page cache; ``in_memory`` (LocalStore on tmpfs/ramfs) lets `chunkread` map chunk
-files that several target shards share instead of copying them into a buffer first.
+buffers past the page cache; ``in_memory`` (LocalStore on tmpfs/ramfs) lets a save write new chunk
+files straight from the caller's buffers (`writing.WriteThrough`), and `chunkread` map chunk files
+that a restore cannot read whole into one shard instead of copying them into a buffer first.
 ``leftovers`` lists only names this package creates (``step_N.tmp-*``, ``step_N.del-*``; object
-stores: steps whose pending record belongs to no live save), and ``remove`` deletes one. Messages never contain an endpoint or a credential
-(``redact``/``scrub``); see docs/storage.md for URLs, credentials and atomicity.
+stores: steps whose pending record belongs to no live save), and ``remove`` deletes one. Messages
+never contain an endpoint or a credential (``redact``/``scrub``); see docs/storage.md for URLs,
+credentials and atomicity.
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ class Store:
     url: str
     local: bool
     direct_io: bool = False   # chunk files may bypass the page cache (``O_DIRECT``; LocalStore on disk)
-    in_memory: bool = False   # chunk files live in memory (tmpfs): a restore may map them (chunkread)
+    in_memory: bool = False   # chunk files live in memory (tmpfs): written through, mapped to restore
 
     def kvstore(self, rel: str) -> dict:
         raise NotImplementedError
