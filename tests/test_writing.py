@@ -124,6 +124,34 @@ def test_in_memory_saves_without_kept_files_write_new_files_through_and_restore_
             assert_tree_equal(m.restore(k), expected[k])
 
 
+@pytest.mark.parametrize("in_memory", [True, False], ids=["in memory (tmpfs)", "disk"])
+def test_a_save_fsyncs_nothing_on_a_memory_file_system_and_everything_on_a_disk(ckdir, in_memory, monkeypatch):
+    """tmpfs and ramfs implement fsync as a no-op, so there a save opens and fsyncs no file or
+    directory for it; it still commits atomically, retention still deletes, and every kept step
+    restores exactly. On a disk the same saves fsync every file they write."""
+    synced = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(os.readlink(f"/proc/self/fd/{fd}")), real_fsync(fd))[1])
+    state, expected = sharded_state(), {}
+    state["small"] = np.arange(5.0)                  # in a blob
+    with cc.CheckpointManager(ckdir, retention=cc.KeepLast(2)) as m:
+        m.store.direct_io, m.store.in_memory = False, in_memory   # as LocalStore decides from the file system
+        for k in range(1, 5):                           # steps 3 and 4 overwrite the files of 1 and 2
+            expected[k] = jax.tree.map(np.asarray, state)
+            m.save(k, state)
+            state = jax.tree.map(lambda x: x + 1, state)
+        m.wait_until_finished()
+        assert m.all_steps() == [3, 4]
+        for k in (3, 4):
+            assert_tree_equal(m.restore(k), expected[k])
+    files = {os.path.join(d, f) for d, _, names in os.walk(ckdir) for f in names}
+    synced = [p for p in synced if not p.endswith(".lock")]   # the manager's lock file, at open
+    if in_memory:
+        assert synced == []
+    else:   # every file of the kept steps (under their staging names), and directories
+        assert len(files) > 10 and len(synced) > len(files)
+
+
 def test_numpy_mutated_after_save_does_not_leak(ckdir):
     a = np.zeros((700, 700), np.float32)          # > 1 MiB: a zarr array
     small = np.zeros(10, np.int64)
@@ -172,6 +200,7 @@ def test_background_failure_surfaces_on_next_call_and_nothing_partial_is_listed(
 
 
 def test_failed_fsync_aborts_and_is_not_retried(ckdir, monkeypatch):
+    monkeypatch.setattr(storage, "_MEMORY_FS", frozenset())   # a disk's fsyncs, also where tmp_path is a tmpfs
     calls = []
     real = os.fsync
 
@@ -213,6 +242,7 @@ def test_one_save_in_flight(ckdir):
 
 
 def test_commit_is_atomic_rename_with_fsyncs(ckdir, monkeypatch):
+    monkeypatch.setattr(storage, "_MEMORY_FS", frozenset())   # a disk's fsyncs, also where tmp_path is a tmpfs
     synced, renamed = [], []
     real_fsync, real_rename = os.fsync, os.rename
 
