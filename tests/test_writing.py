@@ -144,12 +144,16 @@ def test_a_save_fsyncs_nothing_on_a_memory_file_system_and_everything_on_a_disk(
         assert m.all_steps() == [3, 4]
         for k in (3, 4):
             assert_tree_equal(m.restore(k), expected[k])
-    files = {os.path.join(d, f) for d, _, names in os.walk(ckdir) for f in names}
     synced = [p for p in synced if not p.endswith(".lock")]   # the manager's lock file, at open
     if in_memory:
         assert synced == []
-    else:   # every file of the kept steps (under their staging names), and directories
-        assert len(files) > 10 and len(synced) > len(files)
+        return
+    for step in (3, 4):   # every file of a kept step, fsynced under its staging name
+        top = os.path.join(ckdir, f"step_{step:010d}")
+        rels = [os.path.relpath(os.path.join(d, f), top) for d, _, names in os.walk(top) for f in names]
+        assert len(rels) > 5
+        for rel in rels:
+            assert any(f"/step_{step:010d}.tmp-" in p and p.endswith("/" + rel) for p in synced), rel
 
 
 def test_numpy_mutated_after_save_does_not_leak(ckdir):
