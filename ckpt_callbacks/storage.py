@@ -42,6 +42,7 @@ import re
 import shutil
 import stat
 import threading
+import time
 import urllib.parse
 
 from . import format as fmt
@@ -246,6 +247,36 @@ def _fsync_path(path: str, directory: bool = False) -> None:
         os.close(fd)
 
 
+# A directory whose entries changed less than this long before it was stamped is not stamped:
+# file systems take timestamps from a clock that advances by ticks (1-10 ms), so a later change
+# in the same tick could leave its mtime as it was.
+_STAMP_MARGIN_NS = 100_000_000
+
+
+def _stamp(path: str):
+    """What changes when an entry of directory `path` is added, removed or renamed (None if gone)."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    return st.st_ino, st.st_mtime_ns, st.st_ctime_ns
+
+
+def _dir_stamps(top: str, dirs: list[str]) -> dict:
+    """{path relative to `top`: `_stamp`} for the directories under `top` (`dirs` from `_tree`,
+    `top` first and left out: it is renamed, and always fsynced) last changed at least
+    `_STAMP_MARGIN_NS` ago. `publish` of a reused tree fsyncs only the directories whose stamp
+    differs: POSIX updates a directory's mtime and ctime with every entry added, removed or
+    renamed, so an equal stamp means the same entries as at the commit that made them durable."""
+    now = time.time_ns()
+    out = {}
+    for d in dirs[1:]:
+        st = _stamp(d)
+        if st is not None and now - max(st[1], st[2]) >= _STAMP_MARGIN_NS:
+            out[d[len(top) + 1:]] = st
+    return out
+
+
 class LocalStore(Store):
     """A POSIX directory; commit by atomic rename of a staging directory."""
 
@@ -264,6 +295,7 @@ class LocalStore(Store):
         self._pool: dict[int, list[str]] = {}   # their chunk files by size
         self._inplace: dict[str, int] = {}      # chunk files of a kept directory made staging: size
         self._reused: set[str] = set()          # staging directories that are kept directories
+        self._stamps: dict[str, dict] = {}      # kept or reused directory -> its unchanged subdirectories
         self._pool_lock = threading.Lock()
 
     def path(self, rel: str) -> str:
@@ -329,10 +361,12 @@ class LocalStore(Store):
             if not self._kept or os.path.lexists(self.path(rel)):
                 return False
             hidden = self._kept.pop()
+            stamps = self._stamps.pop(hidden, {})
             try:
                 os.rename(self.path(hidden), self.path(rel))
             except OSError:   # removed behind our back: that directory is gone for good
                 return False
+            self._stamps[rel] = stamps
             old, new = self.path(hidden) + os.sep, self.path(rel) + os.sep
             for size, paths in self._pool.items():
                 mine = [p for p in paths if p.startswith(old)]
@@ -366,7 +400,8 @@ class LocalStore(Store):
         top = self.path(staging)
         dirs, files = _tree(top)
         under = tuple(k for k in keep if k.endswith("/"))
-        stale = [f for f in files if (rel := os.path.relpath(f, top)) not in keep and not rel.startswith(under)]
+        n = len(top) + 1   # `_tree` names every file `top` + os.sep + its relative path
+        stale = [f for f in files if (rel := f[n:]) not in keep and not rel.startswith(under)]
         _each(_unlink_quiet, stale, pool)
         if stale:   # deepest first; a directory still holding this save's files stays
             for d in sorted(dirs[1:], key=lambda d: d.count(os.sep), reverse=True):
@@ -385,6 +420,7 @@ class LocalStore(Store):
     def abort(self, staging: str) -> None:
         with self._pool_lock:
             self._forget(staging)
+            self._stamps.pop(staging, None)
         self.remove(staging)
 
     def sync(self, rels: list[str], skip=frozenset(), pool=None) -> None:
@@ -416,9 +452,17 @@ class LocalStore(Store):
     def publish(self, staging: str, step: int, replace: bool = False, pool=None) -> None:
         final = self.path(fmt.step_name(step))
         # every directory of the staging tree (the writers fsynced their own files); on a file
-        # system without a journal each is a synchronous metadata write: several at once
+        # system without a journal each is a synchronous metadata write: several at once. Of a
+        # reused tree (`begin` with reuse_tree), not the directories whose entries are as they
+        # were when their step was deleted: durable since that step's commit (`_dir_stamps`).
+        with self._pool_lock:
+            stamps = self._stamps.pop(staging, {})
         if not self.in_memory:   # see `_fsync`
-            _each(lambda d: _fsync_path(d, directory=True), _tree(self.path(staging))[0], pool)
+            top = self.path(staging)
+            dirs = _tree(top)[0]
+            if stamps:
+                dirs = [top] + [d for d in dirs[1:] if stamps.get(d[len(top) + 1:]) != _stamp(d)]
+            _each(lambda d: _fsync_path(d, directory=True), dirs, pool)
         old = None
         if os.path.exists(final):
             if not replace:
@@ -458,12 +502,17 @@ class LocalStore(Store):
         # Kept for the next save to overwrite in place: the page cache pages (and on disk, the
         # blocks) are neither freed now nor allocated again then. Only plain chunk files.
         found = []
-        for path in _tree(self.path(f"{hidden}/arrays"))[1]:
+        dirs, files = _tree(self.path(hidden))
+        arrays = self.path(f"{hidden}/arrays") + os.sep
+        for path in files:
             st = os.lstat(path)
-            if os.path.basename(path) != "zarr.json" and stat.S_ISREG(st.st_mode) and st.st_nlink == 1:
+            if path.startswith(arrays) and os.path.basename(path) != "zarr.json" and stat.S_ISREG(st.st_mode) \
+                    and st.st_nlink == 1:
                 found.append((st.st_size, path))
+        stamps = _dir_stamps(self.path(hidden), dirs) if not self.in_memory else {}
         with self._pool_lock:
             self._kept.append(hidden)
+            self._stamps[hidden] = stamps
             for size, path in found:
                 self._pool.setdefault(size, []).append(path)
 
@@ -484,6 +533,8 @@ class LocalStore(Store):
     def drop_reusable(self, pool=None) -> None:
         with self._pool_lock:
             kept, self._kept, self._pool = self._kept, [], {}
+            for hidden in kept:
+                self._stamps.pop(hidden, None)
         files = []
         for hidden in kept:
             try:

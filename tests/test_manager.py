@@ -271,6 +271,60 @@ def test_files_of_another_size_are_not_reused_and_are_deleted(ckdir):
     m.close()
 
 
+def _listing(top):
+    """{directory relative to `top`: its entries as (name, inode)}: what a directory fsync makes durable."""
+    return {os.path.relpath(d, top): sorted((e.name, e.inode()) for e in os.scandir(d)) for d, _, _ in os.walk(top)}
+
+
+def test_a_save_into_a_reused_directory_fsyncs_exactly_the_directories_whose_entries_changed(ckdir, monkeypatch):
+    """On a disk, save k + 3 is written into the directory of step k (KeepLast(2)). A directory
+    whose entries are those step k committed is durable already and is not fsynced again; every
+    directory that gained, lost or replaced an entry is. Save 5 also drops a leaf and adds one."""
+    from ckpt_callbacks import storage
+    skip_without_direct_io(ckdir)
+    synced = []
+    real = storage._fsync_path
+    monkeypatch.setattr(storage, "_fsync_path", lambda p, directory=False: (
+        synced.append(p) if directory else None, real(p, directory))[1])
+    m = cc.CheckpointManager(ckdir, retention=cc.KeepLast(2))
+    m.store.direct_io, m.store.in_memory = True, False   # as LocalStore decides on a disk
+    trees, committed = {}, {}
+    for k in range(1, 6):
+        trees[k] = _big_tree(k)
+        if k == 5:
+            trees[k]["extra"] = np.ones((600, 600), np.float32)   # a new array leaf: new directories
+            del trees[k]["m"]                                     # its directories go
+        del synced[:]
+        m.save(k, trees[k])
+        m._wait()
+        top = os.path.join(ckdir, fmt.step_name(k))
+        committed[k] = _listing(top)
+        staging = [os.path.relpath(p, ckdir).split("/", 1) for p in synced if ".tmp-" in p]
+        fsynced = {(rest[1] if len(rest) > 1 else ".") for rest in staging}
+        time.sleep(0.15)   # beyond storage._STAMP_MARGIN_NS: a directory changed just now is always fsynced
+        if k <= 3:   # a new directory: every one of its directories
+            assert fsynced == set(committed[k]), k
+            continue
+        # into step k - 3's directory: at least every directory whose entries differ from its
+        # commit (a name, or a file replaced; a freed inode number may come back, so this is a
+        # lower bound), the top one (the manifest is written last) -- and none that is untouched
+        old = committed[k - 3]
+        changed = {d for d, entries in committed[k].items() if old.get(d) != entries}
+        assert changed | {"."} <= fsynced, (k, changed - fsynced)
+        if k == 4:   # the same tree as step 1's: its chunk files overwritten in place, nothing else
+            assert fsynced == {"."}
+        else:        # "m" (arrays/0) went, "extra" came there; "w" (arrays/2) was only overwritten
+            assert "arrays/0" in fsynced   # its zarr.json is new
+            assert not any(d.startswith("arrays/2") for d in fsynced), fsynced
+    assert m.all_steps() == [4, 5]
+    for k in (4, 5):
+        got = m.restore(step=k)
+        assert set(got) == set(trees[k])
+        for name in trees[k]:
+            np.testing.assert_array_equal(got[name], trees[k][name])
+    m.close()
+
+
 def test_on_a_disk_retention_hands_its_deleted_steps_directory_to_the_save_after_next(ckdir):
     """KeepLast(2), a save after each: step 1 is deleted after save 3's commit, and save 4 is
     written in its directory (renamed), so steady-state saves create no directories."""

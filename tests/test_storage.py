@@ -464,3 +464,23 @@ def test_a_local_store_bypasses_the_page_cache_only_on_a_local_disk_and_maps_onl
         assert open_store(str(tmp_path / "ck")).in_memory is (beside in storage._MEMORY_FS)
     finally:
         subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_a_directory_is_stamped_only_when_its_entries_last_changed_beyond_the_margin(tmp_path):
+    """`publish` of a reused tree skips the fsync of a directory whose stamp is unchanged: only
+    directories last changed long enough ago get a stamp (a clock tick could hide a change made
+    in the same tick), and adding an entry changes the stamp."""
+    import time
+    top, sub = tmp_path / "step", tmp_path / "step" / "arrays"
+    sub.mkdir(parents=True)
+    (sub / "a").write_bytes(b"x")
+    assert storage._dir_stamps(str(top), [str(top), str(sub)]) == {}          # changed just now
+    time.sleep(storage._STAMP_MARGIN_NS / 1e9 + 0.05)
+    stamps = storage._dir_stamps(str(top), [str(top), str(sub)])
+    assert list(stamps) == ["arrays"] and stamps["arrays"] == storage._stamp(str(sub))
+    (sub / "a").write_bytes(b"y")                     # a file's bytes: the directory is as it was
+    assert storage._stamp(str(sub)) == stamps["arrays"]
+    (sub / "b").write_bytes(b"z")                     # a new entry
+    assert storage._stamp(str(sub)) != stamps["arrays"]
+    os.unlink(sub / "b")
+    assert storage._stamp(str(sub)) != stamps["arrays"]
