@@ -501,15 +501,18 @@ class LocalStore(Store):
             return
         # Kept for the next save to overwrite in place: the page cache pages (and on disk, the
         # blocks) are neither freed now nor allocated again then. Only plain chunk files.
+        # On a disk the next save may take the whole directory (`begin` with reuse_tree): its
+        # directories are stamped too, for `publish`.
         found = []
-        dirs, files = _tree(self.path(hidden))
         arrays = self.path(f"{hidden}/arrays") + os.sep
+        dirs, files = _tree(self.path(hidden) if self.direct_io else arrays[:-1])
         for path in files:
+            if not path.startswith(arrays) or os.path.basename(path) == "zarr.json":
+                continue
             st = os.lstat(path)
-            if path.startswith(arrays) and os.path.basename(path) != "zarr.json" and stat.S_ISREG(st.st_mode) \
-                    and st.st_nlink == 1:
+            if stat.S_ISREG(st.st_mode) and st.st_nlink == 1:
                 found.append((st.st_size, path))
-        stamps = _dir_stamps(self.path(hidden), dirs) if not self.in_memory else {}
+        stamps = _dir_stamps(self.path(hidden), dirs) if self.direct_io else {}
         with self._pool_lock:
             self._kept.append(hidden)
             self._stamps[hidden] = stamps
