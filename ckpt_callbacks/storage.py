@@ -502,7 +502,9 @@ class LocalStore(Store):
         # Kept for the next save to overwrite in place: the page cache pages (and on disk, the
         # blocks) are neither freed now nor allocated again then. Only plain chunk files.
         # On a disk the next save may take the whole directory (`begin` with reuse_tree): its
-        # directories are stamped too, for `publish`.
+        # directories are stamped too, for `publish`, here and not when that save takes it: only
+        # now are their entries surely those the commit made durable (a `claim` in between renames
+        # chunk files out, unsynced; its stamp then differs and `publish` fsyncs that directory).
         found = []
         arrays = self.path(f"{hidden}/arrays") + os.sep
         dirs, files = _tree(self.path(hidden) if self.direct_io else arrays[:-1])
