@@ -13,7 +13,8 @@ Example::
 
 Who calls what: every process constructs the manager and calls `save`/`restore` with the same
 arguments in the same order (SPMD). `save` runs on the caller's thread only for the snapshot; a
-background thread writes, commits, then (process 0) applies retention and deletes, and tells the
+background thread (started after the snapshot on a disk, where nothing in it waits for the
+writer) writes, commits, then (process 0) applies retention and deletes, and tells the
 other processes, which wait for it (so every process then sees the same committed steps). One save
 is in flight at a time: the next `save`, `wait_until_finished` or `close` waits for it and re-raises
 its failure. Start-up (process 0): check the directory is writable, take the writer lock, remove
@@ -203,16 +204,30 @@ class CheckpointManager:
                 self._error = e
 
         self._thread = threading.Thread(target=run, name=f"ckpt_callbacks-save-{step}", daemon=True)
-        self._thread.start()
+        # On a disk (no write-through) the writer starts once the snapshot is taken, unless the
+        # copies must wait for it to write earlier ones (a byte budget smaller than this
+        # process's copies): its start (taking over the directory of the step that retention
+        # hid) would hand the GIL to and fro with the copies, on the caller's time (Keras fit,
+        # 30 MiB, 2 vCPUs: hooks 12-13 -> 7-8 ms; docs/benchmarks.md). Elsewhere it starts
+        # first: on tmpfs the write-through runs during the snapshot anyway, and an object
+        # store's start may wait for the network.
+        late = self.store.local and not through_ok and not (
+            budget.limit is not None and snapshot.copy_bytes(snap) > budget.limit)
+        if not late:
+            self._thread.start()
         try:
             through = WriteThrough(self.store, step, token, snap, self._workers) if through_ok else None
             snapshot.copy(snap, items.put, budget, self._pool, through)
         except BaseException as e:
             items.put(("abort", e))
             items.put(None)
+            if late:
+                self._thread.start()   # it takes the abort and cleans up as usual
             self._thread.join()
             self._thread, self._error = None, None
             raise
+        if late:
+            self._thread.start()
         if not self.async_save:
             self._wait()
         return True

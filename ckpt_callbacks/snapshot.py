@@ -8,8 +8,9 @@ Example::
     copy(snap, items.append)   # returns once the copies are taken; `w` may now be donated
 
 Who calls what: `CheckpointManager.save` calls `plan` then `copy` on every process, on the caller's
-thread, while the background writer (`writing.Writer`) consumes the copies `copy` emits. Everything that
-depends on the caller's buffers happens here; nothing after it reads them.
+thread; the background writer (`writing.write_and_commit`) consumes the copies `copy` emits (on a
+disk it starts once `copy` returns, unless `copy_bytes` exceeds the byte budget: then alongside).
+Everything that depends on the caller's buffers happens here; nothing after it reads them.
 
 Copies: numpy leaves are copied (`np.array`; they are mutable). jax.Array shards this process
 writes: on CPU, a zero-copy numpy view (the runtime does not donate a buffer while a view of it is
@@ -46,7 +47,7 @@ from . import layout, treepath
 from .coordination import Coordinator, SingleProcess
 from .errors import InvalidTreeError
 
-__all__ = ["plan", "copy", "Snapshot", "ByteBudget", "HostPool", "PACK_MAX_BYTES", "CHUNK_MAX_BYTES",
+__all__ = ["plan", "copy", "copy_bytes", "Snapshot", "ByteBudget", "HostPool", "PACK_MAX_BYTES", "CHUNK_MAX_BYTES",
            "EAGER_COPY_MAX_BYTES"]
 
 PACK_MAX_BYTES = 1 << 20      # leaves up to this size are packed into msgpack blobs
@@ -366,12 +367,25 @@ def _host_side(x) -> bool:
     return not isinstance(x, jax.Array) or _on_cpu(x)
 
 
+def _copies(snap: Snapshot):
+    """(leaf, bytes) of each copy `copy` takes on this process: its packed leaves, then its boxes."""
+    pi, sources = snap.process_index, snap._sources
+    for i, rec in enumerate(snap.records):
+        if rec["k"] == "packed" and rec["w"] == pi:
+            yield i, math.prod(rec["sh"]) * np.dtype(sources[i].dtype).itemsize
+    for i, _, _, nbytes in snap._boxes:
+        yield i, nbytes
+
+
 def _host_bytes(snap: Snapshot) -> int:
     """Bytes of host-side leaves (numpy, CPU jax) this process copies in `copy`."""
-    pi, sources = snap.process_index, snap._sources
-    n = sum(math.prod(rec["sh"]) * np.dtype(sources[i].dtype).itemsize for i, rec in enumerate(snap.records)
-            if rec["k"] == "packed" and rec["w"] == pi and _host_side(sources[i]))
-    return n + sum(nbytes for i, _, _, nbytes in snap._boxes if _host_side(sources[i]))
+    return sum(n for i, n in _copies(snap) if _host_side(snap._sources[i]))
+
+
+def copy_bytes(snap: Snapshot) -> int:
+    """The bytes `copy` reserves from a `ByteBudget` for this process's copies (after `plan`,
+    before `copy`): when they fit the budget, no reservation ever waits for the writer."""
+    return sum(n for _, n in _copies(snap))
 
 
 def _wait_all(futures) -> None:

@@ -4,6 +4,7 @@ import logging
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -323,6 +324,71 @@ def test_a_save_into_a_reused_directory_fsyncs_exactly_the_directories_whose_ent
         for name in trees[k]:
             np.testing.assert_array_equal(got[name], trees[k][name])
     m.close()
+
+
+def _writer_running() -> bool:
+    return any(t.name.startswith("ckpt_callbacks-save-") and t.is_alive() for t in threading.enumerate())
+
+
+@pytest.mark.parametrize("where,budget,during", [("disk", None, False), ("disk", 1 << 20, True),
+                                                 ("tmpfs", None, True)])
+def test_the_writer_starts_after_the_snapshot_on_a_disk_unless_a_budget_streams_the_copies(
+        ckdir, monkeypatch, where, budget, during):
+    """On a disk, copies that fit the byte budget never wait for the writer, which then starts
+    once they are taken (not alongside, on the caller's time). Under a budget smaller than the
+    copies it runs alongside, writing earlier copies so that later ones fit; with write-through
+    (tmpfs) it runs alongside too. Each save is whole either way."""
+    from ckpt_callbacks import snapshot
+    seen = []
+    real = snapshot.copy
+    monkeypatch.setattr(snapshot, "copy", lambda *a, **k: (seen.append(_writer_running()), real(*a, **k))[1])
+    with cc.CheckpointManager(ckdir, retention=cc.KeepLast(2), max_staging_bytes=budget) as m:
+        m.store.direct_io, m.store.in_memory = where == "disk", where == "tmpfs"
+        for k in range(1, 5):
+            m.save(k, _big_tree(k))
+        m.wait_until_finished()
+        assert m.all_steps() == [3, 4]
+        for k in (3, 4):
+            got = m.restore(step=k)
+            for name, x in _big_tree(k).items():
+                np.testing.assert_array_equal(got[name], x)
+    assert seen == [during] * 4
+
+
+@pytest.mark.parametrize("where", ["disk", "tmpfs"])
+def test_a_snapshot_that_fails_midway_commits_nothing_leaves_nothing_and_the_next_save_works(
+        ckdir, monkeypatch, where):
+    """The snapshot raises after its first array leaf was copied (disk) or written through into
+    the staging directory (tmpfs), in the save after the one that made retention hide step 1
+    (whose directory that save takes over on a disk): the error reaches the caller, the writer
+    removes what was staged, the committed steps stay, and the next save is whole."""
+    from ckpt_callbacks import snapshot
+    m = cc.CheckpointManager(ckdir, retention=cc.KeepLast(2))
+    m.store.direct_io, m.store.in_memory = where == "disk", where == "tmpfs"
+    for k in (1, 2, 3):
+        m.save(k, _big_tree(k))
+    m.wait_until_finished()
+    real, calls = snapshot._whole_copy, []
+
+    def whole_copy(*a):
+        calls.append(1)
+        if len(calls) == 2:
+            raise MemoryError("simulated: out of memory while copying the second array")
+        return real(*a)
+    monkeypatch.setattr(snapshot, "_whole_copy", whole_copy)
+    with pytest.raises(MemoryError, match="simulated"):
+        m.save(4, _big_tree(4))
+    monkeypatch.setattr(snapshot, "_whole_copy", real)
+    assert m.all_steps() == [2, 3]
+    assert not [n for n in os.listdir(ckdir) if ".tmp-" in n]
+    m.save(5, _big_tree(5))
+    m.close()
+    assert sorted(n for n in os.listdir(ckdir) if n.startswith("step_")) == [fmt.step_name(3), fmt.step_name(5)]
+    with cc.CheckpointManager(ckdir) as r:
+        for k in (3, 5):
+            got = r.restore(step=k)
+            for name, x in _big_tree(k).items():
+                np.testing.assert_array_equal(got[name], x)
 
 
 def test_on_a_disk_retention_hands_its_deleted_steps_directory_to_the_save_after_next(ckdir):
