@@ -13,9 +13,9 @@ Example::
 
 Who calls what: every process constructs the manager and calls `save`/`restore` with the same
 arguments in the same order (SPMD). `save` runs on the caller's thread only for the snapshot; a
-background thread (started after the snapshot on a disk, where nothing in it waits for the
-writer) writes, commits, then (process 0) applies retention and deletes, and tells the
-other processes, which wait for it (so every process then sees the same committed steps). One save
+background thread (on a disk, started after a snapshot of copies into warm buffers) writes,
+commits, then (process 0) applies retention and deletes, and tells the other processes, which
+wait for it (so every process then sees the same committed steps). One save
 is in flight at a time: the next `save`, `wait_until_finished` or `close` waits for it and re-raises
 its failure. Start-up (process 0): check the directory is writable, take the writer lock, remove
 leftovers of crashed saves (only names this package creates); the other processes wait for its
@@ -204,15 +204,14 @@ class CheckpointManager:
                 self._error = e
 
         self._thread = threading.Thread(target=run, name=f"ckpt_callbacks-save-{step}", daemon=True)
-        # On a disk (no write-through) the writer starts once the snapshot is taken, unless the
-        # copies must wait for it to write earlier ones (a byte budget smaller than this
-        # process's copies): its start (taking over the directory of the step that retention
-        # hid) would hand the GIL to and fro with the copies, on the caller's time (Keras fit,
-        # 30 MiB, 2 vCPUs: hooks 12-13 -> 7-8 ms; docs/benchmarks.md). Elsewhere it starts
-        # first: on tmpfs the write-through runs during the snapshot anyway, and an object
-        # store's start may wait for the network.
-        late = self.store.local and not through_ok and not (
-            budget.limit is not None and snapshot.copy_bytes(snap) > budget.limit)
+        # On a disk (no write-through), when the snapshot copies every leaf into the pool, the
+        # writer starts once it is taken: started alongside, its start (taking over the
+        # directory of the step that retention hid) would take turns at the GIL with the copies,
+        # on the caller's time (Keras fit, 30 MiB, 2 vCPUs: hooks 12-13 -> 7-8 ms; see
+        # docs/benchmarks.md). Otherwise it starts first: a budget may make the copies wait for
+        # it, and views or device copies take little time; on tmpfs the write-through runs
+        # during the snapshot anyway; an object store's start may wait for the network.
+        late = self.store.local and not through_ok and snapshot.pool_only(snap, budget, self._pool)
         if not late:
             self._thread.start()
         try:

@@ -9,7 +9,7 @@ Example::
 
 Who calls what: `CheckpointManager.save` calls `plan` then `copy` on every process, on the caller's
 thread; the background writer (`writing.write_and_commit`) consumes the copies `copy` emits (on a
-disk it starts once `copy` returns, unless `copy_bytes` exceeds the byte budget: then alongside).
+disk it starts once `copy` returns where `pool_only`, else alongside).
 Everything that depends on the caller's buffers happens here; nothing after it reads them.
 
 Copies: numpy leaves are copied (`np.array`; they are mutable). jax.Array shards this process
@@ -47,7 +47,7 @@ from . import layout, treepath
 from .coordination import Coordinator, SingleProcess
 from .errors import InvalidTreeError
 
-__all__ = ["plan", "copy", "copy_bytes", "Snapshot", "ByteBudget", "HostPool", "PACK_MAX_BYTES", "CHUNK_MAX_BYTES",
+__all__ = ["plan", "copy", "pool_only", "Snapshot", "ByteBudget", "HostPool", "PACK_MAX_BYTES", "CHUNK_MAX_BYTES",
            "EAGER_COPY_MAX_BYTES"]
 
 PACK_MAX_BYTES = 1 << 20      # leaves up to this size are packed into msgpack blobs
@@ -382,10 +382,20 @@ def _host_bytes(snap: Snapshot) -> int:
     return sum(n for i, n in _copies(snap) if _host_side(snap._sources[i]))
 
 
-def copy_bytes(snap: Snapshot) -> int:
-    """The bytes `copy` reserves from a `ByteBudget` for this process's copies (after `plan`,
-    before `copy`): when they fit the budget, no reservation ever waits for the writer."""
-    return sum(n for _, n in _copies(snap))
+def _pool_limit(budget: ByteBudget | None, pool: HostPool) -> int:
+    """The most host-side bytes `copy` puts in `pool` (else it keeps views)."""
+    return pool.max_bytes if budget is None or budget.limit is None else min(pool.max_bytes, budget.limit)
+
+
+def pool_only(snap: Snapshot, budget: ByteBudget | None, pool: HostPool | None) -> bool:
+    """Whether `copy` (after `plan`) will copy every leaf of this process into `pool`: all are
+    host-side and fit its limit and the budget's. Its time is then memory copies alone, and no
+    reservation from the budget waits for the writer."""
+    if pool is None:
+        return False
+    copies = list(_copies(snap))
+    return (all(_host_side(snap._sources[i]) for i, _ in copies)
+            and sum(n for _, n in copies) <= _pool_limit(budget, pool))
 
 
 def _wait_all(futures) -> None:
@@ -415,10 +425,7 @@ def copy(snap: Snapshot, emit, budget: ByteBudget | None = None, pool: HostPool 
     """
     sources, pi = snap._sources, snap.process_index
     if pool is not None:
-        limit = pool.max_bytes
-        if budget and budget.limit is not None:
-            limit = min(limit, budget.limit)
-        snap.pooled = _host_bytes(snap) <= limit
+        snap.pooled = _host_bytes(snap) <= _pool_limit(budget, pool)
     eager = pool.copy_of if snap.pooled else None
     through = through if snap.pooled else None
     pending: list = []

@@ -334,10 +334,11 @@ def _writer_running() -> bool:
                                                  ("tmpfs", None, True)])
 def test_the_writer_starts_after_the_snapshot_on_a_disk_unless_a_budget_streams_the_copies(
         ckdir, monkeypatch, where, budget, during):
-    """On a disk, copies that fit the byte budget never wait for the writer, which then starts
-    once they are taken (not alongside, on the caller's time). Under a budget smaller than the
-    copies it runs alongside, writing earlier copies so that later ones fit; with write-through
-    (tmpfs) it runs alongside too. Each save is whole either way."""
+    """On a disk, a snapshot that copies every leaf into the manager's warm buffers (within the
+    byte budget) never waits for the writer, which then starts once the copies are taken (not
+    alongside, on the caller's time). Under a budget smaller than the copies (views, streamed)
+    it runs alongside, writing earlier copies so that later ones fit; with write-through (tmpfs)
+    it runs alongside too. Each save is whole either way."""
     from ckpt_callbacks import snapshot
     seen = []
     real = snapshot.copy
