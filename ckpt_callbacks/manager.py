@@ -203,7 +203,6 @@ class CheckpointManager:
             except BaseException as e:  # noqa: BLE001 - re-raised by the next call
                 self._error = e
 
-        self._thread = threading.Thread(target=run, name=f"ckpt_callbacks-save-{step}", daemon=True)
         # On a disk (no write-through), when the snapshot copies every leaf into the pool, the
         # writer starts once it is taken: started alongside, its start (taking over the
         # directory of the step that retention hid) would take turns at the GIL with the copies,
@@ -212,6 +211,7 @@ class CheckpointManager:
         # it, and views or device copies take little time; on tmpfs the write-through runs
         # during the snapshot anyway; an object store's start may wait for the network.
         late = self.store.local and not through_ok and snapshot.pool_only(snap, budget, self._pool)
+        self._thread = threading.Thread(target=run, name=f"ckpt_callbacks-save-{step}", daemon=True)
         if not late:
             self._thread.start()
         try:
