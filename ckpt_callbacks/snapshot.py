@@ -216,6 +216,7 @@ class Snapshot:
     pooled: bool = False           # host-side copies live in a HostPool: reused by a later save
     _sources: Any = None           # the caller's leaves; dropped by `copy`
     _boxes: Any = None             # (leaf, box, devices, nbytes) this process writes
+    _host: Any = None              # `_host_copies`, once computed
 
 
 def _sharding_desc(x) -> dict:
@@ -377,9 +378,18 @@ def _copies(snap: Snapshot):
         yield i, nbytes
 
 
-def _host_bytes(snap: Snapshot) -> int:
-    """Bytes of host-side leaves (numpy, CPU jax) this process copies in `copy`."""
-    return sum(n for i, n in _copies(snap) if _host_side(snap._sources[i]))
+def _host_copies(snap: Snapshot) -> tuple[int, bool]:
+    """(bytes of the host-side leaves (numpy, CPU jax) this process copies in `copy`, whether
+    every copy is of a host-side leaf): one pass over the leaves per snapshot."""
+    if snap._host is None:
+        n, every = 0, True
+        for i, nbytes in _copies(snap):
+            if _host_side(snap._sources[i]):
+                n += nbytes
+            else:
+                every = False
+        snap._host = (n, every)
+    return snap._host
 
 
 def _pool_limit(budget: ByteBudget | None, pool: HostPool) -> int:
@@ -393,9 +403,8 @@ def pool_only(snap: Snapshot, budget: ByteBudget | None, pool: HostPool | None) 
     reservation from the budget waits for the writer."""
     if pool is None:
         return False
-    copies = list(_copies(snap))
-    return (all(_host_side(snap._sources[i]) for i, _ in copies)
-            and sum(n for _, n in copies) <= _pool_limit(budget, pool))
+    nbytes, every = _host_copies(snap)
+    return every and nbytes <= _pool_limit(budget, pool)
 
 
 def _wait_all(futures) -> None:
@@ -425,7 +434,7 @@ def copy(snap: Snapshot, emit, budget: ByteBudget | None = None, pool: HostPool 
     """
     sources, pi = snap._sources, snap.process_index
     if pool is not None:
-        snap.pooled = _host_bytes(snap) <= _pool_limit(budget, pool)
+        snap.pooled = _host_copies(snap)[0] <= _pool_limit(budget, pool)
     eager = pool.copy_of if snap.pooled else None
     through = through if snap.pooled else None
     pending: list = []
