@@ -9,8 +9,8 @@ Example::
 
 Who calls what: `CheckpointManager.save` calls `plan` then `copy` on every process, on the caller's
 thread; the background writer (`writing.write_and_commit`) consumes the copies `copy` emits (on a
-disk it starts once `copy` returns where `pool_only`, else alongside).
-Everything that depends on the caller's buffers happens here; nothing after it reads them.
+disk it starts once `copy` returns where `pool_only`, else alongside). Everything that depends on
+the caller's buffers happens here; nothing after it reads them.
 
 Copies: numpy leaves are copied (`np.array`; they are mutable). jax.Array shards this process
 writes: on CPU, a zero-copy numpy view (the runtime does not donate a buffer while a view of it is
@@ -47,8 +47,8 @@ from . import layout, treepath
 from .coordination import Coordinator, SingleProcess
 from .errors import InvalidTreeError
 
-__all__ = ["plan", "copy", "pool_only", "Snapshot", "ByteBudget", "HostPool", "PACK_MAX_BYTES", "CHUNK_MAX_BYTES",
-           "EAGER_COPY_MAX_BYTES"]
+__all__ = ["plan", "copy", "pool_only", "Snapshot", "ByteBudget", "HostPool", "PACK_MAX_BYTES",
+           "CHUNK_MAX_BYTES", "EAGER_COPY_MAX_BYTES"]
 
 PACK_MAX_BYTES = 1 << 20      # leaves up to this size are packed into msgpack blobs
 CHUNK_MAX_BYTES = 64 << 20    # zarr chunks are capped at this size
