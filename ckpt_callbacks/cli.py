@@ -385,10 +385,12 @@ def _main(argv, out) -> int:
     if argv and argv[0] == "bench":
         return cmd_bench(argv[1:], out)
     args = build_parser().parse_args(argv)
-    from .errors import CheckpointError
+    from .errors import CheckpointError, CheckpointNotFoundError
     from .storage import open_store
     try:
         store = open_store(args.directory)
+        if store.local and not os.path.isdir(store.root):   # a typo in the path is not "0 committed"
+            raise CheckpointNotFoundError(f"{store.url}: no such directory")
         return {"ls": cmd_ls, "inspect": cmd_inspect, "verify": cmd_verify, "gc": cmd_gc,
                 "timeline": cmd_timeline}[args.cmd](args, store, out)
     except BrokenPipeError:   # `ckpt-callbacks inspect DIR | head`: the reader left; stop quietly

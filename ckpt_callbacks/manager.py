@@ -37,6 +37,7 @@ import threading
 import time
 
 import msgpack
+import numpy as np
 
 from . import coordination, lock, restore as restore_mod, snapshot
 from .errors import (CheckpointError, CheckpointNotFoundError, ConfigError, CorruptCheckpointError,
@@ -50,6 +51,13 @@ __all__ = ["CheckpointManager"]
 log = logging.getLogger("ckpt_callbacks")
 
 
+def _check_step(step, what: str = "step") -> int:
+    """`step` as an int (numpy integers too), or ConfigError: a step names a directory of 10 digits."""
+    if isinstance(step, (bool, np.bool_)) or not isinstance(step, (int, np.integer)) or not 0 <= step < 10**10:
+        raise ConfigError(f"{what} must be an int in [0, 1e10), got {step!r}")
+    return int(step)
+
+
 def _check_metrics(metrics) -> dict:
     if metrics is None:
         return {}
@@ -59,6 +67,8 @@ def _check_metrics(metrics) -> dict:
     for k, v in metrics.items():
         if not isinstance(k, str):
             raise ConfigError(f"metrics key {k!r} must be a str")
+        if isinstance(v, int) and not isinstance(v, bool) and not -2**63 <= v < 2**64:
+            raise ConfigError(f"metrics[{k!r}] = {v} does not fit in 64 bits; pass it as a float")
         try:
             out[k] = v if isinstance(v, (str, bool, int)) else float(v)
         except (TypeError, ValueError):
@@ -85,11 +95,13 @@ class CheckpointManager:
                  read_only: bool = False, coordinator: coordination.Coordinator | None = None):
         if isinstance(save_interval_steps, bool) or not isinstance(save_interval_steps, int) or save_interval_steps < 1:
             raise ConfigError(f"save_interval_steps must be a positive int, got {save_interval_steps!r}")
+        if not isinstance(async_save, bool):
+            raise ConfigError(f"async_save must be True or False, got {async_save!r}")
         self.directory = os.fspath(directory)
         self.store = open_store(self.directory)
         self.save_interval_steps = save_interval_steps
         self.policies = as_policies(retention)
-        self.async_save = bool(async_save)
+        self.async_save = async_save
         self.max_staging_bytes = max_staging_bytes
         self.timeout_s = timeout_s
         self.clock = clock
@@ -100,6 +112,7 @@ class CheckpointManager:
         self._nsaves = self._nrestores = 0
         self.history: list[SaveStats] = []
         self._infos: dict[int, StepInfo] = {}
+        self._damaged: dict[int, str] = {}   # committed steps whose manifest could not be read: why
         self.restored_step: int | None = None   # the step the last restore() read
         self._thread: threading.Thread | None = None
         self._pool = snapshot.HostPool()   # warm buffers for the copies of host-side leaves
@@ -146,8 +159,7 @@ class CheckpointManager:
         """
         if self._closed or self.read_only:
             raise CheckpointError("save on a closed or read-only CheckpointManager")
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ConfigError(f"step must be a non-negative int, got {step!r}")
+        step = _check_step(step)
         if not force and step % self.save_interval_steps:
             return False
         metrics = _check_metrics(metrics)
@@ -195,6 +207,7 @@ class CheckpointManager:
                                          timeout_s=self.timeout_s, extra=extra_info, workers=self._workers,
                                          reuse_tree=self.store.local and not through_ok)
                 self._infos[step] = StepInfo(step, save_time, metrics)
+                self._damaged.pop(step, None)   # a forced save replaced a damaged step
                 stats = self._retain(stats, token)
                 self.history.append(stats)
                 log.info("ckpt_callbacks: committed step %d to %s: %.1f MB, blocking %.3fs, total %.3fs%s",
@@ -274,9 +287,15 @@ class CheckpointManager:
                                               m.get("metrics") or {})
                 except StorageUnavailableError:
                     raise   # says nothing about the step: not remembered as metric-less
-                except CheckpointError as e:  # damaged: listed, no metrics (never best), kept if a policy keeps it
-                    log.warning("ckpt_callbacks: step %d: cannot read its manifest (%s)", s, e)
-                    self._infos[s] = StepInfo(s, 0.0, {})
+                except CheckpointError as e:
+                    # damaged: listed, never ranked, never deleted by retention (its metrics are
+                    # unknown: it may be the best), as `ckpt-callbacks gc` does; read again next time
+                    if s not in self._damaged:
+                        log.warning("ckpt_callbacks: step %d in %s: cannot read its manifest (%s); kept "
+                                    "(run `ckpt-callbacks verify`)", s, self.store.url, e)
+                    self._damaged[s] = str(e)
+                    continue
+                self._damaged.pop(s, None)
         infos = [self._infos.get(s) for s in steps]   # background retention may drop a step meanwhile
         return [i for i in infos if i is not None]
 
@@ -310,10 +329,16 @@ class CheckpointManager:
         return steps[-1] if steps else None
 
     def metrics(self, step: int) -> dict | None:
+        """The metrics saved with `step`; None when it is not committed. A step whose manifest
+        cannot be read raises `CorruptCheckpointError`."""
+        step = _check_step(step)
         if step not in self.all_steps():
             return None
         if step not in self._infos:
             self._step_infos()
+        if step in self._damaged:
+            raise CorruptCheckpointError(f"step {step} in {self.store.url}: its manifest cannot be read "
+                                         f"({self._damaged[step]}); run `ckpt-callbacks verify`")
         return dict(self._infos[step].metrics) if step in self._infos else None
 
     def best_step(self) -> int | None:
@@ -445,6 +470,7 @@ class CheckpointManager:
             if not steps:
                 raise CheckpointNotFoundError(f"no committed checkpoint in {self.store.url}")
             return steps[-1]
+        step = _check_step(step)
         if step not in steps:
             raise CheckpointNotFoundError(f"step {step} is not a committed checkpoint in {self.store.url} "
                                           f"(committed: {steps[-10:]}{' ...' if len(steps) > 10 else ''})")

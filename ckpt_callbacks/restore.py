@@ -251,14 +251,22 @@ def _expected(rec: dict) -> str:
     return f"{dt}{list(shape)}"
 
 
+def _family(v) -> str:
+    """Python scalars that may stand for each other in a target: numbers, str, bytes."""
+    return "bytes" if isinstance(v, bytes) else "str" if isinstance(v, str) else "number"
+
+
 def _check(rec: dict, t, where: str) -> tuple | None:
     kind = _target_kind(t)
-    if rec["k"] == "none":
-        return None if t is None else (where, "None", type(t).__name__)
+    if rec["k"] == "none" or t is None:
+        return None if rec["k"] == "none" and t is None else (where, _expected(rec), "None" if t is None
+                                                               else f"{type(t).__name__} value")
     if rec["k"] == "py":
-        return None if kind == "host" else (where, _expected(rec), f"{type(t).__name__}")
-    if kind == "host":
-        return None
+        ok = kind == "host" and _family(t) == _family(rec["v"])
+        return None if ok else (where, _expected(rec), f"{type(t).__name__}" + (" value" if kind == "host" else ""))
+    if kind == "host":   # a Python number stands for a 0-d numeric array (a step counter after jit)
+        ok = _family(t) == "number" and rec["sh"] == [] and not rec.get("prng")
+        return None if ok else (where, _expected(rec), f"{type(t).__name__} value")
     if kind == "other":
         return (where, _expected(rec), f"unsupported target leaf {type(t).__name__}")
     if treepath.is_prng_key(t):
@@ -288,7 +296,7 @@ def restore(store: Store, step: int, target=None, *, manifest: dict | None = Non
     if problems:
         lines = "\n".join(f"  {w}: checkpoint has {a}, target expects {b}" for w, a, b in problems[:50])
         raise IncompatibleCheckpointError(
-            f"step {step}: {len(problems)} leaf/leaves differ in shape or dtype:\n{lines}\n"
+            f"step {step}: {len(problems)} leaf/leaves differ in kind, shape or dtype:\n{lines}\n"
             f"Fix: restore onto a target built like the saved state, or pass target=None.", problems)
     reader.prefetch(recs)
     leaves = _put(_map(lambda it: _restore_leaf(reader, recs[it[0]], it[1]), list(zip(order, flat.leaves))))

@@ -136,15 +136,19 @@ class KeepEveryNSeconds(Policy):
 
 
 def as_policies(retention) -> list[Policy] | None:
-    """Normalize `retention` (None, a Policy, a list of them, or a config dict) to a list or None."""
+    """Normalize `retention` (None, a Policy, a list of them, or a config dict) to a list or None.
+
+    No policy at all -- an empty list, or a config dict without a key set (``{}``, every value
+    None, as a YAML file with the keys left blank gives) -- is None, which keeps every step: under
+    "kept if any policy keeps it" an empty list would keep nothing but the newest."""
     if retention is None:
         return None
     if isinstance(retention, Mapping):
-        return retention_from_config(retention)
+        return retention_from_config(retention) or None
     if isinstance(retention, Policy):
         return [retention]
     if isinstance(retention, (list, tuple)) and all(isinstance(p, Policy) for p in retention):
-        return list(retention)
+        return list(retention) or None
     raise ConfigError(f"retention must be None, a policy, a list of policies or a config dict; got {retention!r}")
 
 
@@ -153,9 +157,9 @@ def best_policy(policies) -> KeepBest | None:
 
 
 def decide(policies: Sequence[Policy] | None, infos: Sequence[StepInfo]) -> set[int]:
-    """Steps to keep: any policy keeps it, or it is the newest. None keeps everything."""
+    """Steps to keep: any policy keeps it, or it is the newest. None (or no policy) keeps everything."""
     steps = {i.step for i in infos}
-    if policies is None or not steps:
+    if not policies or not steps:
         return steps
     keep = {max(steps)}
     for p in policies:
@@ -169,7 +173,8 @@ _KEYS = ("keep_last", "keep_every", "keep_steps", "keep_best", "keep_every_n_sec
 def retention_from_config(config: Mapping, where: str = "retention") -> list[Policy]:
     """Build policies from a dict such as ``{"keep_last": 3, "keep_best": {"metric": "val_loss"}}``.
 
-    Unknown keys and bad values raise ConfigError naming the key.
+    Unknown keys and bad values raise ConfigError naming the key. A key set to None counts as
+    absent; with no key set the list is empty, and an empty list keeps every step.
     """
     if not isinstance(config, Mapping):
         raise ConfigError(f"{where} must be a mapping, got {type(config).__name__}")

@@ -244,6 +244,9 @@ def _classify(path, x) -> dict:
     elif isinstance(x, (np.ndarray, np.generic, jax.Array)):
         if isinstance(x, np.ndarray) and x.dtype == object:
             raise InvalidTreeError(f"at {where}: numpy arrays of dtype object cannot be saved")
+        if isinstance(x, jax.Array) and x.is_deleted():
+            raise InvalidTreeError(f"at {where}: this jax.Array was deleted (donated to a jitted step, or "
+                                   f"`.delete()`d); save the arrays the step returned")
         rec["o"] = "jax" if isinstance(x, jax.Array) else ("numpy" if isinstance(x, np.ndarray) else "npscalar")
         if treepath.is_prng_key(x):
             rec["prng"] = str(jax.random.key_impl(x))

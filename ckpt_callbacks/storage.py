@@ -46,7 +46,8 @@ import time
 import urllib.parse
 
 from . import format as fmt
-from .errors import CheckpointError, CheckpointNotFoundError, StorageUnavailableError, storage_unavailable
+from .errors import (CheckpointError, CheckpointNotFoundError, ConfigError, StorageUnavailableError,
+                     storage_unavailable)
 
 __all__ = ["Store", "LocalStore", "open_store"]
 
@@ -581,6 +582,8 @@ class LocalStore(Store):
 def open_store(directory) -> Store:
     """A Store for a local path, ``file://`` URL, ``s3://bucket/prefix`` or ``gs://bucket/prefix``."""
     directory = os.fspath(directory)
+    if not isinstance(directory, str) or not directory.strip():
+        raise ConfigError(f"the checkpoint directory must be a non-empty path or URL, got {directory!r}")
     scheme = urllib.parse.urlparse(directory).scheme
     if scheme in ("s3", "gs"):
         from .objectstore import ObjectStore   # here, not at the top: objectstore builds on Store
@@ -588,5 +591,5 @@ def open_store(directory) -> Store:
     if scheme == "file":
         return LocalStore(urllib.parse.urlparse(directory).path)
     if scheme and len(scheme) > 1:
-        raise ValueError(f"{directory!r}: unsupported URL scheme {scheme!r} (use a path, file://, s3:// or gs://)")
+        raise ConfigError(f"{directory!r}: unsupported URL scheme {scheme!r} (use a path, file://, s3:// or gs://)")
     return LocalStore(directory)

@@ -306,3 +306,11 @@ def test_cli_on_object_store_urls(objstore, devices):
     assert rc == 0 and open_store(url).committed_steps() == [10, 20, 30]
     rc, out, _ = run("gc", url, "--keep-last", "1")
     assert rc == 0 and open_store(url).committed_steps() == [30]
+
+
+@pytest.mark.parametrize("argv", [["ls"], ["inspect"], ["verify"], ["timeline"], ["gc", "--keep-last", "1"]])
+def test_a_directory_that_does_not_exist_is_an_error_not_an_empty_run(tmp_path, argv):
+    missing = str(tmp_path / "no-such-run")
+    rc, out, err = run(*argv[:1], missing, *argv[1:])
+    assert rc == 1 and "no such directory" in err and "no-such-run" in err, (rc, out, err)
+    assert not os.path.exists(missing)

@@ -407,3 +407,82 @@ def test_on_a_disk_retention_hands_its_deleted_steps_directory_to_the_save_after
     np.testing.assert_array_equal(m.restore(step=5)["w"], _big_tree(5)["w"])
     m.close()
     assert sorted(n for n in os.listdir(ckdir) if n.startswith("step_")) == [fmt.step_name(4), fmt.step_name(5)]
+
+
+@pytest.mark.parametrize("retention", [[], (), {}, {"keep_last": None, "keep_best": None}])
+def test_no_policy_at_all_keeps_every_step(ckdir, retention):
+    # an empty list or a config with every key blank (YAML `keep_last:`) is no retention, not
+    # "no policy keeps anything", which would delete every step but the newest
+    with cc.CheckpointManager(ckdir, retention=retention) as m:
+        for s in range(1, 5):
+            m.save(s, tree(s))
+        m.wait_until_finished()
+        assert m.all_steps() == [1, 2, 3, 4]
+
+
+def test_bad_save_arguments_raise_at_the_call_and_nothing_is_saved_or_lost(ckdir):
+    with cc.CheckpointManager(ckdir) as m:
+        m.save(1, tree(1))
+        for step in (10**10, -1, True, np.bool_(True), "3", 2.0, None):
+            with pytest.raises(cc.ConfigError, match="step must be an int"):
+                m.save(step, tree(2))
+        with pytest.raises(cc.ConfigError, match=r"metrics\['loss'\].*64 bits"):
+            m.save(2, tree(2), metrics={"loss": 10**30})
+        m.wait_until_finished()   # nothing was started: no background failure to re-raise
+        assert m.all_steps() == [1]
+        assert m.save(np.int64(3), tree(3)) and m.save(np.uint32(4), tree(4), metrics={"n": 2**63})
+        m.wait_until_finished()
+        assert m.all_steps() == [1, 3, 4] and m.metrics(np.int64(4)) == {"n": 2**63}
+        np.testing.assert_array_equal(m.restore(np.int32(3))["x"], tree(3)["x"])
+        for step in ("3", True, 3.0):
+            with pytest.raises(cc.ConfigError, match="step must be an int"):
+                m.restore(step)
+            with pytest.raises(cc.ConfigError, match="step must be an int"):
+                m.metrics(step)
+
+
+@pytest.mark.parametrize("kwargs, match", [({"async_save": "no"}, "async_save"),
+                                           ({"async_save": 0}, "async_save")])
+def test_bad_manager_options_are_config_errors(ckdir, kwargs, match):
+    with pytest.raises(cc.ConfigError, match=match):
+        cc.CheckpointManager(ckdir, **kwargs)
+    assert not os.path.exists(ckdir)
+
+
+@pytest.mark.parametrize("directory", ["", "  ", "hdfs://namenode/run"])
+def test_an_empty_or_unsupported_directory_is_a_config_error(tmp_path, monkeypatch, directory):
+    monkeypatch.chdir(tmp_path)   # "" must not mean the working directory
+    with pytest.raises(cc.ConfigError):
+        cc.CheckpointManager(directory)
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("damage", ["truncate", "delete"])
+def test_retention_never_deletes_a_step_whose_manifest_cannot_be_read(ckdir, caplog, damage):
+    # its metrics are unknown: it may be the best (as `ckpt-callbacks gc`, it is kept and reported)
+    policies = [cc.KeepBest("loss", "min", 1), cc.KeepLast(1)]
+    with cc.CheckpointManager(ckdir, retention=policies) as m:
+        for s, loss in ((1, 0.1), (2, 0.5), (3, 0.9)):
+            m.save(s, tree(s), metrics={"loss": loss})
+        m.wait_until_finished()
+        assert m.all_steps() == [1, 3]
+    manifest = os.path.join(ckdir, fmt.step_name(1), "manifest.msgpack")
+    if damage == "truncate":
+        with open(manifest, "r+b") as f:
+            f.truncate(10)
+    else:
+        os.unlink(manifest)
+    with caplog.at_level(logging.WARNING, "ckpt_callbacks"):
+        with cc.CheckpointManager(ckdir, retention=policies) as m:
+            for s, loss in ((4, 0.2), (5, 0.7)):
+                m.save(s, tree(s), metrics={"loss": loss})
+                m.wait_until_finished()
+            assert m.all_steps() == [1, 4, 5] and m.best_step() == 4   # 3 went by the policies
+            with pytest.raises(cc.CorruptCheckpointError, match="step 1"):
+                m.metrics(1)
+            assert m.metrics(5) == {"loss": 0.7}
+            m.save(1, tree(1), metrics={"loss": 0.05}, force=True)   # replacing it heals it
+            m.wait_until_finished()
+            assert m.metrics(1) == {"loss": 0.05} and m.best_step() == 1 and m.all_steps() == [1, 5]
+    warned = [r for r in caplog.records if "cannot read its manifest" in r.getMessage()]
+    assert len(warned) == 1 and "step 1" in warned[0].getMessage()   # once, not at every save

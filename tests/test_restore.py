@@ -117,12 +117,13 @@ def test_reshard_cross_product(storage_dir, src, monkeypatch):
     save(d, tree)
     m = cc.CheckpointManager(d, read_only=True)
     for name, dst in shardings().items():
-        # a leaf this sharding cannot hold is restored as host numpy (target leaf None)
-        target = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=dst) if _allowed(dst, v.shape) else None
-                  for k, v in data.items()}
+        # a leaf this sharding cannot hold is restored as host numpy (a numpy target leaf)
+        target = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=dst) if _allowed(dst, v.shape)
+                  else np.broadcast_to(np.zeros((), v.dtype), v.shape) for k, v in data.items()}
         out = m.restore(target=target)
         for k, v in out.items():
-            assert (v.sharding == dst) if target[k] is not None else isinstance(v, np.ndarray), (src, name, k)
+            host = isinstance(target[k], np.ndarray)
+            assert isinstance(v, np.ndarray) if host else (v.sharding == dst), (src, name, k)
             np.testing.assert_array_equal(np.asarray(v), data[k])
     assert m.restore()["big"].shape == (512, 1024)
     mapped = m.store.in_memory
@@ -224,6 +225,22 @@ def test_mismatches_name_key_paths(ckdir):
         m.restore(target={"a": np.zeros((2, 3), np.float32), "b": {"x": np.zeros(4, np.int32)}, "d": 1})
     assert "['b']['x']" in str(e.value) and "['b']['c']" in str(e.value)
     assert isinstance(e.value, ValueError) and len(e.value.mismatches) == 2
+
+
+def test_python_scalar_and_none_target_leaves_match_only_their_kind(ckdir):
+    saved = {"w": np.ones(3), "step": jnp.int32(7), "epoch": 2, "name": "run", "none": None}
+    save(ckdir, saved)
+    m = cc.CheckpointManager(ckdir, read_only=True)
+    ok = {"w": np.zeros(3), "step": 0, "epoch": 0.0, "name": "", "none": None}   # a Python number
+    out = m.restore(target=ok)                                                   # stands for a 0-d array
+    assert out["step"] == 7 and out["epoch"] == 2 and out["name"] == "run" and out["none"] is None
+    for key, leaf, has, expects in [("w", 0.0, "float64[3]", "float value"), ("w", None, "float64[3]", "None"),
+                                    ("step", None, "int32[]", "None"), ("step", "7", "int32[]", "str value"),
+                                    ("epoch", "2", "int value", "str value"), ("epoch", None, "int value", "None"),
+                                    ("none", 0, "None", "int value"), ("name", b"run", "str value", "bytes value")]:
+        with pytest.raises(cc.IncompatibleCheckpointError) as e:
+            m.restore(target={**ok, key: leaf})
+        assert f"['{key}']: checkpoint has {has}, target expects {expects}" in str(e.value), (key, leaf)
 
 
 def test_missing_checkpoint_and_unknown_version(ckdir, tmp_path):

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import ckpt_callbacks as cc
-from ckpt_callbacks.retention import StepInfo, decide
+from ckpt_callbacks.retention import StepInfo, as_policies, decide, retention_from_config
 
 NAN = float("nan")
 
@@ -102,3 +102,10 @@ def test_bad_config_names_the_key(config, key):
         cc.retention_from_config(config)
     assert str(e.value).startswith(key), str(e.value)
     assert isinstance(e.value, ValueError)
+
+
+def test_no_policy_keeps_everything():
+    infos = [StepInfo(s, float(s), {}) for s in (1, 2, 3)]
+    assert decide(None, infos) == decide([], infos) == {1, 2, 3}
+    assert as_policies([]) is None and as_policies({}) is None and as_policies({"keep_last": None}) is None
+    assert retention_from_config({"keep_last": None, "keep_every": None}) == []

@@ -11,6 +11,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+import ckpt_callbacks as cc
 from ckpt_callbacks import snapshot
 
 
@@ -139,3 +140,13 @@ def test_cpu_state_within_the_pool_limit_is_copied_and_larger_or_budgeted_state_
 
     snap, out = _copies(tree)                                            # no pool: views
     assert not snap.pooled and np.shares_memory(out[2], np.asarray(x))
+
+
+def test_a_deleted_jax_array_is_an_invalid_tree_naming_the_key_path(ckdir):
+    import jax.numpy as jnp
+    gone = jnp.ones(3)
+    gone.delete()   # as a donating step leaves it
+    with cc.CheckpointManager(ckdir) as m:
+        with pytest.raises(cc.InvalidTreeError, match=r"at \['opt'\]\[1\]: this jax.Array was deleted"):
+            m.save(1, {"opt": [jnp.zeros(2), gone]})
+        assert m.all_steps() == []
