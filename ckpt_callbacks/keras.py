@@ -14,6 +14,9 @@ Example::
     model.fit(x, y, validation_split=0.25, epochs=5, callbacks=[cb])     # re-run it: it resumes
 
 Who calls what, in which order (Keras calls the hooks; on every process under multi-host SPMD):
+  * the constructor, given ``data=`` an iterator with ``get_state()``/``set_state()``, puts it at
+    the latest committed step's position before `fit` reads from it (Keras reads a generator's
+    first batches before any hook runs).
   * `on_train_begin`: opens a `CheckpointManager` on `directory`; if a step is committed there,
     restores it strictly into the model (every variable or an `IncompatibleCheckpointError` listing
     the mismatched paths), restores the host RNGs Keras' input pipelines draw from, and makes `fit`
@@ -127,6 +130,24 @@ def _set_rng_state(s: dict) -> None:
     np.random.set_state((name, np.frombuffer(keys, "<u4").copy(), pos, has_gauss, cached))
 
 
+def _state_of(data):
+    """`data.get_state()`, or None where it fails (then nothing is compared)."""
+    try:
+        return data.get_state()
+    except Exception:  # noqa: BLE001 - only used to compare
+        return None
+
+
+def _same(a, b) -> bool | None:
+    """Whether two iterator states are equal; None where they cannot be compared."""
+    if a is None or b is None:
+        return None
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - e.g. states holding numpy arrays
+        return None
+
+
 def _numeric_logs(logs) -> dict:
     out = {}
     for k, v in (logs or {}).items():
@@ -160,7 +181,8 @@ class AsyncCheckpoint(keras.callbacks.Callback):
         already holds checkpoints rather than mix two runs).
       data: what lets a mid-epoch resume continue at the next unseen batch: the `ResumableDataset`
         passed to `fit`, or any object with ``get_state()``/``set_state()`` (saved per process at the
-        step boundary). Required with an int `save_freq`; ``data=False`` accepts restarting an
+        step boundary; put at the latest step's position by this constructor, so create the
+        callback right before `fit`, after your last read from it). Required with an int `save_freq`; ``data=False`` accepts restarting an
         interrupted epoch from its first batch (its earlier batches are trained on twice).
       async_save, max_staging_bytes: passed to `CheckpointManager`.
       verbose: 1 prints a line per resume and per save.
@@ -215,8 +237,48 @@ class AsyncCheckpoint(keras.callbacks.Callback):
         self._warn_ctx = None
         self._set_initial_epoch = False
         self._open = False
+        # A get_state()/set_state() iterator is put at the latest step's position now, before
+        # fit() reads from it: Keras reads the first batches of a generator to learn their shapes
+        # before any callback runs. `_data_at`: the step whose position the iterator holds while
+        # no fit() runs; `_data_idle`: its state then (on_train_begin compares, to see reads).
+        self._data_at = self._data_idle = self._data_saved = None
+        if self._state_iterator():
+            if self.resume:
+                self._data_at = self._position_data_early()
+            self._data_idle = _state_of(self.data)
 
     # -- set-up -------------------------------------------------------------------------------
+    def _ranked_metrics(self) -> set:
+        return {p.metric for p in (self.manager.policies or []) if isinstance(p, KeepBest)}
+
+    def _state_iterator(self) -> bool:
+        return self.data not in (None, False) and not isinstance(self.data, ResumableDataset)
+
+    def _position_data_early(self) -> int | None:
+        """Put `data` at the latest committed step's position; that step, or None (nothing done:
+        `on_train_begin` then decides, raising what there is to raise)."""
+        try:
+            manager = CheckpointManager(self.directory, read_only=True)
+            step = manager.latest_step()
+            state = None if step is None else (manager.host_state(step) or {}).get("data")
+        except Exception:  # noqa: BLE001 - e.g. storage unreachable or another process count
+            return None
+        if state is None:
+            return None
+        self.data.set_state(state)
+        return step
+
+    def _check_data(self, step: int) -> None:
+        """Refuse to resume if fit() read from `data` at a position other than `step`'s."""
+        if step != self._data_at and _same(_state_of(self.data), self._data_idle) is False:
+            raise ConfigError(
+                f"AsyncCheckpoint: fit() read from the data iterator before training began (Keras reads "
+                f"the first batches of a Python generator to learn their shapes), so putting it back at "
+                f"step {step}'s position now would train on those batches first; nothing was restored. "
+                f"Fix: create the AsyncCheckpoint right before fit(), after the last read from the "
+                f"iterator: it then puts the iterator at the checkpoint's position itself, before fit() "
+                f"reads from it.")
+
     def _resolved_mode(self) -> str | None:
         if self.mode != "auto":
             return self.mode
@@ -255,6 +317,8 @@ class AsyncCheckpoint(keras.callbacks.Callback):
         self._since_save, self._skip, self._ended = 0, 0, 0
         self._ended_lock = threading.Lock()
         self._resume_at, self._resumed_metrics = None, None
+        self._data_saved = None
+        self._monitor_warned = False
         step = self.manager.latest_step()
         if step is None:
             return
@@ -268,6 +332,14 @@ class AsyncCheckpoint(keras.callbacks.Callback):
         if not hasattr(model, "_initial_epoch"):
             raise CheckpointError(f"this Keras ({keras.__version__}) has no model._initial_epoch, which "
                                   "AsyncCheckpoint sets to resume at the next epoch; use Keras >= 3.0")
+        try:
+            host = self.manager.host_state(step) or {}
+        except IncompatibleCheckpointError as e:   # saved by another number of processes
+            log.warning("ckpt_callbacks: not restoring the host RNG / data state of step %d: %s", step, e)
+            host = {}
+        data_state = host.get("data") if self._state_iterator() else None
+        if data_state is not None:
+            self._check_data(step)   # first: it may refuse, and nothing is loaded yet
         target = {"model": _state_tree(model), "progress": dict.fromkeys(_PROGRESS, 0)}
         try:
             tree = self.manager.restore(step, target=target)
@@ -290,19 +362,20 @@ class AsyncCheckpoint(keras.callbacks.Callback):
         p = tree["progress"]
         epoch, batch, self._global_step = int(p["epoch"]), int(p["batch"]), int(p["global_step"])
         self.best = None if p["best"] is None or math.isnan(p["best"]) else float(p["best"])
-        try:
-            host = self.manager.host_state(step) or {}
-        except IncompatibleCheckpointError as e:   # saved by another number of processes
-            log.warning("ckpt_callbacks: not restoring the host RNG / data state of step %d: %s", step, e)
-            host = {}
         if host.get("rng"):
             _set_rng_state(host["rng"])
-        if host.get("data") is not None and self.data not in (None, False) and not isinstance(self.data, ResumableDataset):
-            self.data.set_state(host["data"])
+        if data_state is not None and step != self._data_at:   # else `__init__` put it there
+            self.data.set_state(data_state)
         if batch and self.data is False:
             log.warning("ckpt_callbacks: step %d was saved after batch %d of epoch %d; data=False, so that "
                         "epoch restarts from its first batch", step, batch, epoch)
             batch = 0
+        epochs = (self.params or {}).get("epochs")
+        if epochs is not None and epoch >= epochs:
+            log.warning("ckpt_callbacks: AsyncCheckpoint: resumed from step %d at epoch %d, but fit(epochs=%d) "
+                        "ends there: nothing left to train (epochs count from the start of the run in %s, "
+                        "as with BackupAndRestore; raise `epochs` to train on)", step, epoch + 1, epochs,
+                        self.manager.store.url)
         model._initial_epoch = epoch or None
         self._set_initial_epoch = True
         self._resume_at = (epoch, batch)
@@ -359,6 +432,12 @@ class AsyncCheckpoint(keras.callbacks.Callback):
         self._since_save = 0
         metrics = _numeric_logs(logs)
         current = metrics.get(self.monitor)
+        if current is None and not self._monitor_warned and self.monitor in self._ranked_metrics():
+            self._monitor_warned = True   # e.g. a typo, or fit() without validation data
+            log.warning("ckpt_callbacks: AsyncCheckpoint: monitor %r is not in the logs of epoch %d (they have: "
+                        "%s); steps saved without it never rank as best (expected on epochs without "
+                        "validation, e.g. with validation_freq > 1)", self.monitor, epoch + 1,
+                        ", ".join(sorted(metrics)) or "nothing")
         if current is not None and self._mode is not None and not math.isnan(current):
             better = self.best is None or (current < self.best if self._mode == "min" else current > self.best)
             if better:
@@ -369,6 +448,10 @@ class AsyncCheckpoint(keras.callbacks.Callback):
 
     def on_train_end(self, logs=None):
         self._exit_warn_ctx()
+        if self._state_iterator():   # where the next fit() of this callback finds the iterator
+            self._data_idle = _state_of(self.data)
+            last = self._data_saved
+            self._data_at = last[0] if last is not None and _same(last[1], self._data_idle) else None
         if self._set_initial_epoch:
             self.model._initial_epoch = None
             self._set_initial_epoch = False
@@ -382,11 +465,13 @@ class AsyncCheckpoint(keras.callbacks.Callback):
         progress = {"epoch": int(epoch), "batch": int(batch), "global_step": int(self._global_step),
                     "best": float("nan") if self.best is None else float(self.best), "version": 1}
         host = {"rng": _rng_state()}
-        if self.data not in (None, False) and not isinstance(self.data, ResumableDataset):
+        if self._state_iterator():
             host["data"] = self.data.get_state()
         started = self.manager.save(self._global_step, {"model": _state_tree(model), "progress": progress},
                                     metrics=metrics, host_state=host)
         self.last_blocking_s = time.perf_counter() - t0
+        if started and "data" in host:
+            self._data_saved = (self._global_step, host["data"])
         if started and self.verbose:
             where = f"epoch {epoch + 1}, batch {batch}" if batch else f"end of epoch {epoch}"
             print(f"AsyncCheckpoint: saving step {self._global_step} ({where}); "

@@ -310,3 +310,100 @@ def test_background_write_failure_is_raised_by_fit_at_train_end(ckdir):
     with pytest.raises(cc.CheckpointSaveError, match="injected"):
         model.fit(x, y, validation_data=val, epochs=1, batch_size=16, verbose=0, callbacks=[cb, Inject()])
     assert cc.CheckpointManager(ckdir, read_only=True).all_steps() == []
+
+
+class _Boom(keras.callbacks.Callback):
+    """Interrupts fit() (as a crash would) at batch `batch` of epoch `epoch`."""
+
+    def __init__(self, epoch, batch):
+        super().__init__()
+        self.at, self.epoch = (epoch, batch), None
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if (self.epoch, batch) == self.at:
+            raise KeyboardInterrupt("interrupted")
+
+
+def _grain_batches(x, y):
+    """A Grain iterator over shuffled batches of (x, y), and a generator over it for fit()."""
+    import grain
+    it = iter(grain.MapDataset.range(len(x)).shuffle(seed=0).repeat(None).batch(16).map(lambda i: (x[i], y[i])))
+
+    def gen():
+        while True:
+            yield next(it)
+    return it, gen
+
+
+def _weights(model):
+    return [np.asarray(v.value) for v in model.trainable_variables + model.optimizer.variables]
+
+
+def test_a_grain_iterator_behind_a_generator_resumes_exactly(tmp_path):
+    """Keras reads a generator's first batches before any callback runs; the callback puts the
+    iterator at the checkpoint's position when it is created, so those reads are the right batches.
+    Also: a second fit() of the same callback continues where the first ended, and a fit() whose
+    iterator was read from a position the checkpoint does not know is refused before loading anything."""
+    x, y, _ = _data(n=96)
+    kw = dict(steps_per_epoch=4, epochs=4, verbose=0)
+
+    it, gen = _grain_batches(x, y)           # the reference: 4 epochs, uninterrupted
+    ref = _model()
+    ref.fit(gen(), callbacks=[AsyncCheckpoint(str(tmp_path / "ref"), data=it)], **kw)
+
+    d = str(tmp_path / "run")                # interrupted in epoch 3, resumed as a new process would
+    it, gen = _grain_batches(x, y)
+    with pytest.raises(KeyboardInterrupt):
+        _model().fit(gen(), callbacks=[AsyncCheckpoint(d, data=it), _Boom(2, 1)], **kw)
+    it, gen = _grain_batches(x, y)
+    model, cb = _model(), AsyncCheckpoint(d, data=it)
+    model.fit(gen(), callbacks=[cb], **kw)
+    assert cb.resumed_step == 8
+    for a, b in zip(_weights(model), _weights(ref)):
+        np.testing.assert_array_equal(a, b)
+
+    d = str(tmp_path / "twice")              # two fits of one callback: 2 epochs, then on to 4
+    it, gen = _grain_batches(x, y)
+    model, cb = _model(), AsyncCheckpoint(d, data=it)
+    model.fit(gen(), callbacks=[cb], **{**kw, "epochs": 2})
+    model.fit(gen(), callbacks=[cb], **kw)
+    assert cb.resumed_step == 8
+    for a, b in zip(_weights(model), _weights(ref)):
+        np.testing.assert_array_equal(a, b)
+
+    d = str(tmp_path / "refused")            # interrupted, then fit() again with the same callback:
+    it, gen = _grain_batches(x, y)           # its iterator moved on past the last save
+    model, cb = _model(), AsyncCheckpoint(d, data=it)
+    with pytest.raises(KeyboardInterrupt):
+        model.fit(gen(), callbacks=[cb, _Boom(2, 1)], **kw)
+    before = _weights(model)
+    with pytest.raises(cc.ConfigError, match="read from the data iterator before training began"):
+        model.fit(gen(), callbacks=[cb], **kw)
+    for a, b in zip(_weights(model), before):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_a_monitor_missing_from_the_logs_is_warned_about_once(ckdir, caplog):
+    x, y, val = _data()
+    cb = AsyncCheckpoint(ckdir, monitor="val_acc", mode="max", keep_best=1)   # a typo: no "val_acc"
+    with caplog.at_level("WARNING", "ckpt_callbacks"):
+        _model().fit(x, y, batch_size=16, epochs=3, validation_data=val, verbose=0, callbacks=[cb])
+    warned = [r.getMessage() for r in caplog.records if "not in the logs" in r.getMessage()]
+    assert len(warned) == 1 and "'val_acc'" in warned[0] and "val_mae" in warned[0], warned
+    assert cb.manager.best_step() is None
+    caplog.clear()
+    with caplog.at_level("WARNING", "ckpt_callbacks"):   # without keep_best nothing ranks: no warning
+        _model().fit(x, y, batch_size=16, epochs=1, verbose=0, callbacks=[AsyncCheckpoint(ckdir + "2")])
+    assert not [r for r in caplog.records if "not in the logs" in r.getMessage()]
+
+
+def test_resuming_a_finished_run_says_there_is_nothing_left_to_train(ckdir, caplog):
+    x, y, _ = _data()
+    _model().fit(x, y, batch_size=16, epochs=2, verbose=0, callbacks=[AsyncCheckpoint(ckdir)])
+    with caplog.at_level("WARNING", "ckpt_callbacks"):
+        hist = _model().fit(x, y, batch_size=16, epochs=2, verbose=0, callbacks=[AsyncCheckpoint(ckdir)])
+    assert hist.epoch == []
+    assert any("nothing left to train" in r.getMessage() for r in caplog.records)
