@@ -143,8 +143,10 @@ class CheckpointHook:
                  clock=time.monotonic):
         self.every_steps = _positive_or_none("every_steps", every_steps)
         self.every_secs = _positive_or_none("every_secs", every_secs, float)
+        if isinstance(on_steps, (str, bytes)) or not (on_steps is None or hasattr(on_steps, "__iter__")):
+            raise ConfigError(f"on_steps must be a collection of steps (e.g. [1000, 5000]), got {on_steps!r}")
         try:
-            self.on_steps = frozenset(_as_step(s) for s in (on_steps or ()))
+            self.on_steps = frozenset(_as_step(s) for s in (on_steps if on_steps is not None else ()))
         except ConfigError as e:
             raise ConfigError(f"on_steps: {e}") from None
         if self.every_steps is None and self.every_secs is None and not self.on_steps:
@@ -210,11 +212,22 @@ class CheckpointHook:
                     f"checkpoint saved with one on the same number of processes.",
                     [(f"host_state[{self.coord.process_index}]['data_iterator']", "absent", "present")])
             self.data_iterator.set_state(hs[_ITER_KEY])
+        elif _ITER_KEY in (self._saved_host_state(step) or {}):
+            log.warning("ckpt_callbacks: step %d in %s holds this process's data-iterator position, but "
+                        "restore_or_init got no data_iterator: the data pipeline starts from its beginning "
+                        "(pass data_iterator= to continue where it was)", step, self.manager.store.url)
         state = put_back(state, restored)
         self._last_step = self.last_saved_step = step
         self._last_save_time = self.clock()
         log.info("ckpt_callbacks: resumed from step %d of %s", step, self.manager.store.url)
         return state, step
+
+    def _saved_host_state(self, step):
+        try:
+            hs = self.manager.host_state(step)
+        except CheckpointError:   # e.g. saved on another process count: only a warning hangs on it
+            return None
+        return hs if isinstance(hs, dict) else None
 
     # -- every step -------------------------------------------------------------------------------
     def report_eval(self, step, metrics: dict) -> None:
@@ -267,17 +280,16 @@ class CheckpointHook:
     def save(self, step, state, *, metrics: dict | None = None) -> bool:
         """Save `step` now, whatever the schedule (e.g. the final step); True when a save started.
 
-        Returns False when `step` is already committed (a resumed run reaching a saved step).
+        Returns False, quietly, when `step` is already committed or being saved (the schedule saved
+        it; a resumed run reaching a saved step).
         """
         self._check_open()
         step = _as_step(step)
         mngr = self.manager
-        force = False
-        if step % mngr.save_interval_steps:     # the hook decides when; never replace a committed step
-            if step in mngr.all_steps():
-                log.warning("ckpt_callbacks: step %d is already committed; not saving it again", step)
-                return False
-            force = True
+        if step == self.last_saved_step or step in mngr.all_steps():   # saved, or being saved: a no-op
+            log.info("ckpt_callbacks: step %d is already saved; not saving it again", step)
+            return False
+        force = bool(step % mngr.save_interval_steps)   # the hook decides when, not the manager's interval
         host = None
         if self.data_iterator is not None:
             host = {_ITER_KEY: self.data_iterator.get_state()}

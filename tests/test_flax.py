@@ -284,7 +284,7 @@ class _Iter:
         self.i = s["i"]
 
 
-def test_data_iterator_from_constructor_and_missing_state_is_an_error(ckdir):
+def test_data_iterator_from_constructor_and_missing_state_is_an_error(ckdir, caplog):
     it = _Iter()
     hook = CheckpointHook(ckdir, every_steps=2, data_iterator=it, preemption_signals=())
     for step in range(1, 5):
@@ -295,6 +295,11 @@ def test_data_iterator_from_constructor_and_missing_state_is_an_error(ckdir):
     hook = CheckpointHook(ckdir, preemption_signals=())
     tree, start = hook.restore_or_init(_tree(0), data_iterator=it2)
     assert start == 4 and it2.i == 4 and next(it2) == 5
+    hook.close()
+    hook = CheckpointHook(ckdir, preemption_signals=())   # the position saved, no iterator given: said
+    with caplog.at_level("WARNING", "ckpt_callbacks"):
+        assert hook.restore_or_init(_tree(0))[1] == 4
+    assert any("got no data_iterator" in r.getMessage() for r in caplog.records)
     hook.close()
 
     other = ckdir + "-noiter"
@@ -356,3 +361,24 @@ def test_docs_copy_paste_loops_run_and_resume(tmp_path, which):
         assert kept.endswith(str(sorted({25, 30, best})))
     else:
         assert kept.endswith("[10, 20, 30]")
+
+
+def test_save_of_a_step_saved_or_being_saved_is_a_quiet_no_op(ckdir, caplog):
+    # the docs' loops end with hook.save(last_step, ...) after hook(last_step, ...) may have saved it
+    hook = CheckpointHook(ckdir, every_steps=10, preemption_signals=())
+    with caplog.at_level("WARNING", "ckpt_callbacks"):
+        for step in range(1, 11):
+            hook(step, _tree(step))
+        assert hook.save(10, _tree(10)) is False          # still being written
+        hook.wait_until_finished()
+        assert hook.save(10, _tree(10)) is False          # committed
+        assert hook.save(11, _tree(11)) is True           # off the schedule: saved
+    hook.close()
+    assert not caplog.records, [r.getMessage() for r in caplog.records]
+    assert cc.CheckpointManager(ckdir, read_only=True).all_steps() == [10, 11]
+
+
+@pytest.mark.parametrize("on_steps", [5, "100", 2.5])
+def test_on_steps_must_be_a_collection_of_steps(ckdir, on_steps):
+    with pytest.raises(cc.ConfigError, match="on_steps"):
+        CheckpointHook(ckdir, on_steps=on_steps, preemption_signals=())
