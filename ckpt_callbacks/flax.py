@@ -149,6 +149,8 @@ class CheckpointHook:
             self.on_steps = frozenset(_as_step(s) for s in (on_steps if on_steps is not None else ()))
         except ConfigError as e:
             raise ConfigError(f"on_steps: {e}") from None
+        except TypeError:   # e.g. a 0-d numpy array
+            raise ConfigError(f"on_steps must be a collection of steps (e.g. [1000, 5000]), got {on_steps!r}") from None
         if self.every_steps is None and self.every_secs is None and not self.on_steps:
             self.every_steps = 1
         if on_preemption not in ("flag", "raise"):

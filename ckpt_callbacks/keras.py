@@ -14,9 +14,9 @@ Example::
     model.fit(x, y, validation_split=0.25, epochs=5, callbacks=[cb])     # re-run it: it resumes
 
 Who calls what, in which order (Keras calls the hooks; on every process under multi-host SPMD):
-  * the constructor, given ``data=`` an iterator with ``get_state()``/``set_state()``, puts it at
-    the latest committed step's position before `fit` reads from it (Keras reads a generator's
-    first batches before any hook runs).
+  * `batches` (a generator over a ``data=`` iterator, passed to `fit`), at its first ``next()``:
+    puts the iterator at the latest committed step's position, before Keras reads the first
+    batches to learn their shapes (which it does before any hook runs, and trains on first).
   * `on_train_begin`: opens a `CheckpointManager` on `directory`; if a step is committed there,
     restores it strictly into the model (every variable or an `IncompatibleCheckpointError` listing
     the mismatched paths), restores the host RNGs Keras' input pipelines draw from, and makes `fit`
@@ -181,8 +181,8 @@ class AsyncCheckpoint(keras.callbacks.Callback):
         already holds checkpoints rather than mix two runs).
       data: what lets a mid-epoch resume continue at the next unseen batch: the `ResumableDataset`
         passed to `fit`, or any object with ``get_state()``/``set_state()`` (saved per process at the
-        step boundary; put at the latest step's position by this constructor, so create the
-        callback right before `fit`, after your last read from it). Required with an int `save_freq`; ``data=False`` accepts restarting an
+        step boundary, restored in `on_train_begin`; feed it to `fit` through `batches()` for an
+        exact resume). Required with an int `save_freq`; ``data=False`` accepts restarting an
         interrupted epoch from its first batch (its earlier batches are trained on twice).
       async_save, max_staging_bytes: passed to `CheckpointManager`.
       verbose: 1 prints a line per resume and per save.
@@ -237,15 +237,12 @@ class AsyncCheckpoint(keras.callbacks.Callback):
         self._warn_ctx = None
         self._set_initial_epoch = False
         self._open = False
-        # A get_state()/set_state() iterator is put at the latest step's position now, before
-        # fit() reads from it: Keras reads the first batches of a generator to learn their shapes
-        # before any callback runs. `_data_at`: the step whose position the iterator holds while
-        # no fit() runs; `_data_idle`: its state then (on_train_begin compares, to see reads).
-        self._data_at = self._data_idle = self._data_saved = None
-        if self._state_iterator():
-            if self.resume:
-                self._data_at = self._position_data_early()
-            self._data_idle = _state_of(self.data)
+        # `_data_at`: the step whose position a get_state()/set_state() `data` iterator holds
+        # already when the next fit() begins (put there by `batches`, or where the last fit ended
+        # on a save), so that on_train_begin does not set it back over batches fit() has read.
+        self._data_at = self._data_saved = None
+        if not isinstance(async_save, bool):
+            raise ConfigError(f"async_save must be True or False, got {async_save!r}")
 
     # -- set-up -------------------------------------------------------------------------------
     def _ranked_metrics(self) -> set:
@@ -254,9 +251,34 @@ class AsyncCheckpoint(keras.callbacks.Callback):
     def _state_iterator(self) -> bool:
         return self.data not in (None, False) and not isinstance(self.data, ResumableDataset)
 
-    def _position_data_early(self) -> int | None:
+    def batches(self):
+        """A generator over the ``data=`` iterator's items, for `fit`, that resumes exactly.
+
+        Example::
+
+            it = iter(grain_dataset)                     # yields (x, y) batches
+            cb = AsyncCheckpoint("/tmp/run", data=it)
+            model.fit(cb.batches(), steps_per_epoch=100, epochs=10, callbacks=[cb])
+
+        Keras reads the first two items of a generator before any callback runs (to learn their
+        shapes) and trains on them first, so the iterator must be at the checkpoint's position
+        before that: on its first ``next()`` this generator puts it at the latest committed step's
+        position (this process's own; nothing when there is none or ``resume=False``), and
+        `on_train_begin` then leaves it there. Call it anew for each `fit`.
+        """
+        if not self._state_iterator():
+            raise ConfigError("AsyncCheckpoint.batches() needs data= an iterator with get_state()/set_state()")
+        self._data_at = self._position_data() if self.resume else None
+        while True:
+            try:
+                item = next(self.data)
+            except StopIteration:
+                return
+            yield item
+
+    def _position_data(self) -> int | None:
         """Put `data` at the latest committed step's position; that step, or None (nothing done:
-        `on_train_begin` then decides, raising what there is to raise)."""
+        `on_train_begin` then restores it as for any iterator, raising what there is to raise)."""
         try:
             manager = CheckpointManager(self.directory, read_only=True)
             step = manager.latest_step()
@@ -267,17 +289,6 @@ class AsyncCheckpoint(keras.callbacks.Callback):
             return None
         self.data.set_state(state)
         return step
-
-    def _check_data(self, step: int) -> None:
-        """Refuse to resume if fit() read from `data` at a position other than `step`'s."""
-        if step != self._data_at and _same(_state_of(self.data), self._data_idle) is False:
-            raise ConfigError(
-                f"AsyncCheckpoint: fit() read from the data iterator before training began (Keras reads "
-                f"the first batches of a Python generator to learn their shapes), so putting it back at "
-                f"step {step}'s position now would train on those batches first; nothing was restored. "
-                f"Fix: create the AsyncCheckpoint right before fit(), after the last read from the "
-                f"iterator: it then puts the iterator at the checkpoint's position itself, before fit() "
-                f"reads from it.")
 
     def _resolved_mode(self) -> str | None:
         if self.mode != "auto":
@@ -332,14 +343,6 @@ class AsyncCheckpoint(keras.callbacks.Callback):
         if not hasattr(model, "_initial_epoch"):
             raise CheckpointError(f"this Keras ({keras.__version__}) has no model._initial_epoch, which "
                                   "AsyncCheckpoint sets to resume at the next epoch; use Keras >= 3.0")
-        try:
-            host = self.manager.host_state(step) or {}
-        except IncompatibleCheckpointError as e:   # saved by another number of processes
-            log.warning("ckpt_callbacks: not restoring the host RNG / data state of step %d: %s", step, e)
-            host = {}
-        data_state = host.get("data") if self._state_iterator() else None
-        if data_state is not None:
-            self._check_data(step)   # first: it may refuse, and nothing is loaded yet
         target = {"model": _state_tree(model), "progress": dict.fromkeys(_PROGRESS, 0)}
         try:
             tree = self.manager.restore(step, target=target)
@@ -362,10 +365,16 @@ class AsyncCheckpoint(keras.callbacks.Callback):
         p = tree["progress"]
         epoch, batch, self._global_step = int(p["epoch"]), int(p["batch"]), int(p["global_step"])
         self.best = None if p["best"] is None or math.isnan(p["best"]) else float(p["best"])
+        try:
+            host = self.manager.host_state(step) or {}
+        except IncompatibleCheckpointError as e:   # saved by another number of processes
+            log.warning("ckpt_callbacks: not restoring the host RNG / data state of step %d: %s", step, e)
+            host = {}
         if host.get("rng"):
             _set_rng_state(host["rng"])
-        if data_state is not None and step != self._data_at:   # else `__init__` put it there
-            self.data.set_state(data_state)
+        if host.get("data") is not None and self._state_iterator() and step != self._data_at:
+            self.data.set_state(host["data"])   # (at `_data_at`, fit() has read on from there already)
+        self._data_at = None   # used once: a fit() that raises leaves no claim for the next one
         if batch and self.data is False:
             log.warning("ckpt_callbacks: step %d was saved after batch %d of epoch %d; data=False, so that "
                         "epoch restarts from its first batch", step, batch, epoch)
@@ -448,10 +457,9 @@ class AsyncCheckpoint(keras.callbacks.Callback):
 
     def on_train_end(self, logs=None):
         self._exit_warn_ctx()
-        if self._state_iterator():   # where the next fit() of this callback finds the iterator
-            self._data_idle = _state_of(self.data)
-            last = self._data_saved
-            self._data_at = last[0] if last is not None and _same(last[1], self._data_idle) else None
+        if self._state_iterator():   # the next fit() of this callback finds the iterator where this
+            last = self._data_saved  # one's last save left it, unless it read on since
+            self._data_at = last[0] if last is not None and _same(last[1], _state_of(self.data)) else None
         if self._set_initial_epoch:
             self.model._initial_epoch = None
             self._set_initial_epoch = False

@@ -336,10 +336,12 @@ class CheckpointManager:
             return None
         if step not in self._infos:
             self._step_infos()
-        if step in self._damaged:
+        why = self._damaged.get(step)
+        if why is not None:
             raise CorruptCheckpointError(f"step {step} in {self.store.url}: its manifest cannot be read "
-                                         f"({self._damaged[step]}); run `ckpt-callbacks verify`")
-        return dict(self._infos[step].metrics) if step in self._infos else None
+                                         f"({why}); run `ckpt-callbacks verify`")
+        info = self._infos.get(step)
+        return None if info is None else dict(info.metrics)
 
     def best_step(self) -> int | None:
         """Best committed step by the KeepBest policy in `retention`; None without one."""
@@ -441,7 +443,10 @@ class CheckpointManager:
         ``fn(saved: dict[int, state], process_index, process_count) -> state``.
         """
         step = self._resolve(step)
-        m = restore_mod.read_manifest(self.store, step)
+        try:
+            m = restore_mod.read_manifest(self.store, step)
+        except CheckpointNotFoundError as e:   # committed, so a missing manifest is damage (as in restore)
+            raise CorruptCheckpointError(f"step {step} is committed but unreadable: {e}") from None
         pi, pc = self.coord.process_index, self.coord.process_count
         if process_index is not None:
             return restore_mod.read_host_state(self.store, step, m, process_index)

@@ -258,9 +258,10 @@ def _family(v) -> str:
 
 def _check(rec: dict, t, where: str) -> tuple | None:
     kind = _target_kind(t)
-    if rec["k"] == "none" or t is None:
-        return None if rec["k"] == "none" and t is None else (where, _expected(rec), "None" if t is None
-                                                               else f"{type(t).__name__} value")
+    if t is None:   # a placeholder (e.g. a field that is None in a fresh train state): the saved value
+        return None
+    if rec["k"] == "none":
+        return (where, "None", f"{type(t).__name__}" + (" value" if kind == "host" else ""))
     if rec["k"] == "py":
         ok = kind == "host" and _family(t) == _family(rec["v"])
         return None if ok else (where, _expected(rec), f"{type(t).__name__}" + (" value" if kind == "host" else ""))

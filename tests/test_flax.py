@@ -378,7 +378,7 @@ def test_save_of_a_step_saved_or_being_saved_is_a_quiet_no_op(ckdir, caplog):
     assert cc.CheckpointManager(ckdir, read_only=True).all_steps() == [10, 11]
 
 
-@pytest.mark.parametrize("on_steps", [5, "100", 2.5])
+@pytest.mark.parametrize("on_steps", [5, "100", 2.5, np.array(5)])
 def test_on_steps_must_be_a_collection_of_steps(ckdir, on_steps):
     with pytest.raises(cc.ConfigError, match="on_steps"):
         CheckpointHook(ckdir, on_steps=on_steps, preemption_signals=())

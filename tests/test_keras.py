@@ -278,6 +278,8 @@ def test_configuration_errors(ckdir):
         AsyncCheckpoint(ckdir, save_freq="batch")
     with pytest.raises(cc.ConfigError, match="keep_last"):
         AsyncCheckpoint(ckdir, keep_last=0)
+    with pytest.raises(cc.ConfigError, match="async_save"):
+        AsyncCheckpoint(ckdir, async_save=0)
     x, y, _ = _data()
     _model().fit(x, y, batch_size=16, epochs=1, verbose=0, callbacks=[AsyncCheckpoint(ckdir)])
     with pytest.raises(cc.ConfigError, match="resume=False"):
@@ -327,63 +329,87 @@ class _Boom(keras.callbacks.Callback):
             raise KeyboardInterrupt("interrupted")
 
 
-def _grain_batches(x, y):
-    """A Grain iterator over shuffled batches of (x, y), and a generator over it for fit()."""
+def _grain_iterator(x, y):
     import grain
-    it = iter(grain.MapDataset.range(len(x)).shuffle(seed=0).repeat(None).batch(16).map(lambda i: (x[i], y[i])))
+    return iter(grain.MapDataset.range(len(x)).shuffle(seed=0).repeat(None).batch(16).map(lambda i: (x[i], y[i])))
 
-    def gen():
-        while True:
-            yield next(it)
-    return it, gen
+
+class _IteratorBatches(keras.utils.PyDataset):
+    """A PyDataset that reads a get_state/set_state iterator (ignoring the index)."""
+
+    def __init__(self, it, n):
+        super().__init__()
+        self.it, self.n = it, n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return next(self.it)
 
 
 def _weights(model):
     return [np.asarray(v.value) for v in model.trainable_variables + model.optimizer.variables]
 
 
-def test_a_grain_iterator_behind_a_generator_resumes_exactly(tmp_path):
-    """Keras reads a generator's first batches before any callback runs; the callback puts the
-    iterator at the checkpoint's position when it is created, so those reads are the right batches.
-    Also: a second fit() of the same callback continues where the first ended, and a fit() whose
-    iterator was read from a position the checkpoint does not know is refused before loading anything."""
+def _assert_same_weights(a, b):
+    for u, v in zip(_weights(a), _weights(b)):
+        np.testing.assert_array_equal(u, v)
+
+
+def test_a_grain_iterator_resumes_exactly_through_batches_or_a_pydataset(tmp_path):
+    """Keras reads a generator's first two batches before any callback runs and trains on them;
+    `cb.batches()` puts the iterator at the checkpoint's position on its first read. A PyDataset
+    over the iterator has one batch read to build the model and not trained on, which
+    on_train_begin undoes. Each run below is interrupted in epoch 3 and resumed as a new process
+    would (a new model, iterator and callback), or by fit() again with the same callback."""
     x, y, _ = _data(n=96)
     kw = dict(steps_per_epoch=4, epochs=4, verbose=0)
 
-    it, gen = _grain_batches(x, y)           # the reference: 4 epochs, uninterrupted
-    ref = _model()
-    ref.fit(gen(), callbacks=[AsyncCheckpoint(str(tmp_path / "ref"), data=it)], **kw)
+    def reference(feed):                     # 4 epochs, uninterrupted
+        it = _grain_iterator(x, y)
+        model, cb = _model(), AsyncCheckpoint(str(tmp_path / f"ref-{len(refs)}"), data=it)
+        model.fit(feed(cb, it), callbacks=[cb], **kw)
+        return model
 
-    d = str(tmp_path / "run")                # interrupted in epoch 3, resumed as a new process would
-    it, gen = _grain_batches(x, y)
-    with pytest.raises(KeyboardInterrupt):
-        _model().fit(gen(), callbacks=[AsyncCheckpoint(d, data=it), _Boom(2, 1)], **kw)
-    it, gen = _grain_batches(x, y)
+    def interrupted(d, feed):
+        it = _grain_iterator(x, y)
+        cb = AsyncCheckpoint(d, data=it)
+        model = _model()
+        with pytest.raises(KeyboardInterrupt):
+            model.fit(feed(cb, it), callbacks=[cb, _Boom(2, 1)], **kw)
+        return model, cb, it
+
+    generator = lambda cb, it: cb.batches()                                   # noqa: E731
+    pydataset = lambda cb, it: _IteratorBatches(it, kw["steps_per_epoch"])    # noqa: E731
+    refs = []
+    for name, feed in (("gen", generator), ("pyds", pydataset)):
+        ref = reference(feed)
+        refs.append(ref)
+        d = str(tmp_path / name)
+        interrupted(d, feed)
+        it = _grain_iterator(x, y)           # a new process
+        model, cb = _model(), AsyncCheckpoint(d, data=it)
+        model.fit(feed(cb, it), callbacks=[cb], **kw)
+        assert cb.resumed_step == 8, name
+        _assert_same_weights(model, ref)
+
+        d = str(tmp_path / (name + "-again"))   # fit() again in the same process, same callback
+        model, cb, it = interrupted(d, feed)
+        model.fit(feed(cb, it), callbacks=[cb], **kw)
+        assert cb.resumed_step == 8, name
+        _assert_same_weights(model, ref)
+
+    d = str(tmp_path / "twice")              # two fits of one callback, one generator: 2 epochs, then 4
+    it = _grain_iterator(x, y)
     model, cb = _model(), AsyncCheckpoint(d, data=it)
-    model.fit(gen(), callbacks=[cb], **kw)
+    batches = cb.batches()
+    model.fit(batches, callbacks=[cb], **{**kw, "epochs": 2})
+    model.fit(batches, callbacks=[cb], **kw)
     assert cb.resumed_step == 8
-    for a, b in zip(_weights(model), _weights(ref)):
-        np.testing.assert_array_equal(a, b)
-
-    d = str(tmp_path / "twice")              # two fits of one callback: 2 epochs, then on to 4
-    it, gen = _grain_batches(x, y)
-    model, cb = _model(), AsyncCheckpoint(d, data=it)
-    model.fit(gen(), callbacks=[cb], **{**kw, "epochs": 2})
-    model.fit(gen(), callbacks=[cb], **kw)
-    assert cb.resumed_step == 8
-    for a, b in zip(_weights(model), _weights(ref)):
-        np.testing.assert_array_equal(a, b)
-
-    d = str(tmp_path / "refused")            # interrupted, then fit() again with the same callback:
-    it, gen = _grain_batches(x, y)           # its iterator moved on past the last save
-    model, cb = _model(), AsyncCheckpoint(d, data=it)
-    with pytest.raises(KeyboardInterrupt):
-        model.fit(gen(), callbacks=[cb, _Boom(2, 1)], **kw)
-    before = _weights(model)
-    with pytest.raises(cc.ConfigError, match="read from the data iterator before training began"):
-        model.fit(gen(), callbacks=[cb], **kw)
-    for a, b in zip(_weights(model), before):
-        np.testing.assert_array_equal(a, b)
+    _assert_same_weights(model, refs[0])
+    with pytest.raises(cc.ConfigError, match="batches"):
+        next(AsyncCheckpoint(d).batches())
 
 
 def test_a_monitor_missing_from_the_logs_is_warned_about_once(ckdir, caplog):

@@ -472,6 +472,8 @@ def test_retention_never_deletes_a_step_whose_manifest_cannot_be_read(ckdir, cap
             f.truncate(10)
     else:
         os.unlink(manifest)
+        with pytest.raises(cc.CorruptCheckpointError):   # committed without it: damage, not "not found"
+            cc.CheckpointManager(ckdir, read_only=True).host_state(1)
     with caplog.at_level(logging.WARNING, "ckpt_callbacks"):
         with cc.CheckpointManager(ckdir, retention=policies) as m:
             for s, loss in ((4, 0.2), (5, 0.7)):
