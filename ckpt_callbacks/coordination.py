@@ -27,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import threading
+import time
 
 import jax
 
@@ -89,7 +90,15 @@ class JaxDistributed(Coordinator):
     def _key(self, name: str) -> str:
         return f"{self.namespace}/{name}"
 
-    def _fail(self, what: str, timeout_s: float, e: Exception, peer: int | None = None):
+    def _fail(self, what: str, timeout_s: float, e: Exception, peer: int | None = None, t0: float | None = None):
+        said = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
+        waited = None if t0 is None else time.monotonic() - t0
+        if waited is not None and waited < 0.9 * timeout_s:   # not a timeout: the service answered so
+            who = {self.process_index: f"{what} failed after {waited:.1f}s: {said}"}
+            raise CoordinationTimeoutError(
+                f"process {self.process_index}/{self.process_count}: {what} failed after {waited:.1f}s, "
+                f"before its {timeout_s:g}s timeout: the coordination service (hosted by process 0) is "
+                f"gone or refused it, e.g. process 0 died. Coordination service said: {said}", who) from None
         who = {self.process_index: f"timeout in {what}"}
         if peer is not None:
             who[peer] = f"sent nothing within {timeout_s:g}s (died or stuck)"
@@ -97,8 +106,7 @@ class JaxDistributed(Coordinator):
             f"process {self.process_index}/{self.process_count}: {what} did not complete within "
             f"{timeout_s:g}s: a peer process died, is stuck, or called a different sequence of "
             f"checkpoint operations (every process must call save/restore alike). "
-            f"Coordination service said: {str(e).splitlines()[0][:300] if str(e) else type(e).__name__}",
-            who) from None
+            f"Coordination service said: {said}", who) from None
 
     def _set(self, name: str, data: bytes, timeout_s: float) -> None:
         try:
@@ -107,16 +115,18 @@ class JaxDistributed(Coordinator):
             self._fail(f"publishing {name!r}", timeout_s, e)
 
     def _get(self, name: str, what: str, timeout_s: float, peer: int) -> bytes:
+        t0 = time.monotonic()
         try:
             return self.client.blocking_key_value_get_bytes(self._key(name), max(1, int(timeout_s * 1000)))
         except Exception as e:  # noqa: BLE001
-            self._fail(what, timeout_s, e, peer)
+            self._fail(what, timeout_s, e, peer, t0)
 
     def barrier(self, name, timeout_s):
+        t0 = time.monotonic()
         try:
             self.client.wait_at_barrier(self._key(name), max(1, int(timeout_s * 1000)))
         except Exception as e:  # noqa: BLE001
-            self._fail(f"barrier {name!r}", timeout_s, e)
+            self._fail(f"barrier {name!r}", timeout_s, e, t0=t0)
 
     def all_gather(self, name, data, timeout_s):
         self._set(f"{name}/{self.process_index}", data, timeout_s)

@@ -40,8 +40,8 @@ import msgpack
 import numpy as np
 
 from . import coordination, lock, restore as restore_mod, snapshot
-from .errors import (CheckpointError, CheckpointNotFoundError, ConfigError, CorruptCheckpointError,
-                     IncompatibleCheckpointError, StorageUnavailableError)
+from .errors import (CheckpointError, CheckpointNotFoundError, CheckpointSaveError, ConfigError,
+                     CorruptCheckpointError, IncompatibleCheckpointError, StorageUnavailableError)
 from .retention import StepInfo, as_policies, best_policy, decide
 from .storage import open_store
 from .writing import SaveStats, Workers, WriteThrough, write_and_commit
@@ -165,7 +165,13 @@ class CheckpointManager:
         metrics = _check_metrics(metrics)
         self._wait()
         self._pool.recycle()   # the previous save's writer is joined: its copies are free again
-        if step in self.all_steps() and not force:
+        try:
+            committed = self.all_steps()
+        except StorageUnavailableError as e:   # as any save that meets an outage: training goes on
+            raise CheckpointSaveError(f"step {step} was not saved: the committed steps of {self.store.url} "
+                                      f"cannot be listed ({e}); nothing was started, the next save tries again",
+                                      {self.coord.process_index: f"StorageUnavailableError: {e}"}) from e
+        if step in committed and not force:
             log.warning("ckpt_callbacks: step %d is already committed in %s; not saving it again "
                         "(pass force=True to replace it)", step, self.store.url)
             return False
@@ -462,8 +468,9 @@ class CheckpointManager:
         if saved and saved_pc != pc:
             raise IncompatibleCheckpointError(
                 f"step {step} in {self.store.url} holds host state (e.g. data-iterator positions) of "
-                f"{saved_pc} processes {saved}, but this run has {pc} processes, so process {pi} has "
-                f"no state of its own. Fix: pass remap={{this_process: saved_process}} or "
+                f"{saved_pc} processes {saved}, but this run has {pc} processes, so which saved state "
+                f"process {pi} resumes from is not known (the data pipeline's sharding changes with the "
+                f"process count). Fix: pass remap={{this_process: saved_process}} or "
                 f"remap=fn(saved_states, process_index, process_count), or process_index=, to say "
                 f"which state each process resumes from (or restart the data pipeline).",
                 [(f"host_state[{pi}]", f"{saved_pc} processes", f"{pc} processes")])

@@ -31,7 +31,7 @@ import tensorstore as ts
 
 from . import format as fmt
 from . import lock
-from .errors import CheckpointError, CheckpointNotFoundError, StorageUnavailableError
+from .errors import CheckpointError, CheckpointNotFoundError, ConfigError, StorageUnavailableError
 from .storage import Store
 
 __all__ = ["ObjectStore", "redact", "MARKERS", "PENDING"]
@@ -99,7 +99,7 @@ class ObjectStore(Store):
                  max_backoff_s: float | None = None, stale_after_s: float | None = None):
         u = urllib.parse.urlparse(url)
         if u.scheme not in ("s3", "gs") or not u.netloc:
-            raise ValueError(f"{url!r}: expected s3://bucket/prefix or gs://bucket/prefix")
+            raise ConfigError(f"{url!r}: expected s3://bucket/prefix or gs://bucket/prefix")
         self.scheme, self.bucket = u.scheme, u.netloc
         self.prefix = u.path.strip("/") + "/" if u.path.strip("/") else ""
         self.url = f"{u.scheme}://{u.netloc}/{self.prefix}"
@@ -147,15 +147,16 @@ class ObjectStore(Store):
             return fn()
         except (ValueError, RuntimeError, OSError) as e:
             msg = redact(str(e))
+            how = "failed (not retried: the answer is final)"
             if "NOT_FOUND" in msg:
                 hint = f"check that the bucket {self.bucket!r} exists"
             elif "PERMISSION_DENIED" in msg or "UNAUTHENTICATED" in msg:
                 hint = "check the credentials (see docs/storage.md)"
             else:
+                how = f"failed after up to {self.retries} retries with backoff"
                 hint = ("check that the endpoint is reachable (AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL for s3, "
                         "TENSORSTORE_GCS_HTTP_URL for gs) and the network is up")
-            raise StorageUnavailableError(f"{self.url}: {what} failed after up to {self.retries} retries with "
-                                          f"backoff ({msg[:400]}); {hint}") from None
+            raise StorageUnavailableError(f"{self.url}: {what} {how} ({msg[:400]}); {hint}") from None
 
     def write(self, rel: str, data, sync: bool = True) -> None:
         if isinstance(data, list):

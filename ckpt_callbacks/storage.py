@@ -142,12 +142,14 @@ class Store:
         return message
 
     def scrub(self, error: BaseException) -> BaseException:
-        """`error` itself, or a CheckpointError carrying its redacted message (and no chained cause)."""
+        """`error` itself, or a CheckpointError carrying its redacted message (and no chained cause):
+        a `StorageUnavailableError` where the storage could not be reached or refused access."""
         msg = str(error)
         clean = self.redact(msg)
         if clean == msg:
             return error
-        new = CheckpointError(f"{type(error).__name__}: {clean}").with_traceback(error.__traceback__)
+        cls = StorageUnavailableError if storage_unavailable(error) else CheckpointError
+        new = cls(f"{type(error).__name__}: {clean}").with_traceback(error.__traceback__)
         new.__suppress_context__ = True
         return new
 

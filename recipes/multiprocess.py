@@ -93,9 +93,10 @@ def worker(cfg, pid: int, nprocs: int, port: int, stop_at: int) -> None:
                 metrics = {"loss": float(loss), "val_accuracy": float(evaluate(state["params"], xv, yv))}
                 say(f"step {step}: loss {metrics['loss']:.4f} val_accuracy {metrics['val_accuracy']:.4f}")
             mngr.save(step, state, metrics=metrics, host_state=it.get_state())
+        mngr.wait_until_finished()   # all_steps() lists committed steps: the save of stop_at may be in flight
         if stop_at not in mngr.all_steps() and (start or 0) < stop_at:
             mngr.save(stop_at, state, force=True, host_state=it.get_state())
-        mngr.wait_until_finished()
+            mngr.wait_until_finished()
         h = mngr.history
         say(f"committed {mngr.all_steps()}; this process wrote {sum(s.bytes_written for s in h) / 1e3:.0f} KB "
             f"and stalled {sum(s.blocking_s for s in h):.3f} s over {len(h)} saves")

@@ -488,3 +488,23 @@ def test_retention_never_deletes_a_step_whose_manifest_cannot_be_read(ckdir, cap
             assert m.metrics(1) == {"loss": 0.05} and m.best_step() == 1 and m.all_steps() == [1, 5]
     warned = [r for r in caplog.records if "cannot read its manifest" in r.getMessage()]
     assert len(warned) == 1 and "step 1" in warned[0].getMessage()   # once, not at every save
+
+
+def test_an_outage_when_save_is_called_is_a_save_error_and_the_next_save_works(ckdir, monkeypatch):
+    # as any save that meets an outage (docs/storage.md): CheckpointSaveError, training goes on
+    with cc.CheckpointManager(ckdir) as m:
+        m.save(1, tree(1))
+        m.wait_until_finished()
+        real = m.store.committed_steps
+
+        def unreachable():
+            raise cc.StorageUnavailableError("list commits/ failed: connection refused")
+        monkeypatch.setattr(m.store, "committed_steps", unreachable)
+        with pytest.raises(cc.CheckpointSaveError, match="step 2 was not saved") as info:
+            m.save(2, tree(2))
+        assert isinstance(info.value.__cause__, cc.StorageUnavailableError)
+        assert info.value.failures[0].startswith("StorageUnavailableError")
+        monkeypatch.setattr(m.store, "committed_steps", real)
+        m.save(3, tree(3))
+        m.wait_until_finished()
+        assert m.all_steps() == [1, 3]

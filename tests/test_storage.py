@@ -223,6 +223,9 @@ def test_server_outage_mid_save_fails_clearly_without_marker_then_recovers(objst
     ep = objstore.server.endpoint
     assert ep not in msg and str(objstore.server.port) not in msg and "tensorstore_spec" not in msg
     assert str(objstore.server.port) not in repr(info.value.__cause__)
+    # an outage, typed as one (the message redacted of the endpoint keeps its class)
+    assert isinstance(info.value.__cause__, cc.StorageUnavailableError)
+    assert info.value.failures[0].startswith("StorageUnavailableError"), info.value.failures
     # the server is back: step 2 has no marker; the next save works; start-up removes step 2's bytes
     assert "commits/step_0000000002" not in objstore.keys()
     monkeypatch.delenv("CKPT_CALLBACKS_IO_RETRIES")
@@ -238,6 +241,12 @@ def test_server_outage_mid_save_fails_clearly_without_marker_then_recovers(objst
     assert not step_keys(keys, 2) and not [k for k in keys if k.startswith("pending/")]
     logged = "\n".join(r.getMessage() for r in caplog.records)
     assert ep not in logged and str(objstore.server.port) not in logged
+
+
+@pytest.mark.parametrize("url", ["s3://", "gs://", "s3:///prefix"])
+def test_an_object_store_url_without_a_bucket_is_a_config_error(url):
+    with pytest.raises(cc.ConfigError, match="expected s3://bucket/prefix"):
+        cc.CheckpointManager(url)
 
 
 def _retries(objstore) -> int:
