@@ -241,6 +241,7 @@ class AsyncCheckpoint(keras.callbacks.Callback):
         # already when the next fit() begins (put there by `batches`, or where the last fit ended
         # on a save), so that on_train_begin does not set it back over batches fit() has read.
         self._data_at = self._data_saved = None
+        self._yields = self._yields_mark = 0   # items batches() generators gave; as of the last hook
         if not isinstance(async_save, bool):
             raise ConfigError(f"async_save must be True or False, got {async_save!r}")
 
@@ -268,23 +269,28 @@ class AsyncCheckpoint(keras.callbacks.Callback):
         """
         if not self._state_iterator():
             raise ConfigError("AsyncCheckpoint.batches() needs data= an iterator with get_state()/set_state()")
+        self._close(raise_errors=False)   # a fit() that raised may have left a save in flight
         self._data_at = self._position_data() if self.resume else None
         while True:
             try:
                 item = next(self.data)
             except StopIteration:
                 return
+            self._yields += 1
             yield item
 
     def _position_data(self) -> int | None:
-        """Put `data` at the latest committed step's position; that step, or None (nothing done:
-        `on_train_begin` then restores it as for any iterator, raising what there is to raise)."""
-        try:
-            manager = CheckpointManager(self.directory, read_only=True)
+        """Put `data` at the latest committed step's position; that step, or None where there is
+        none or it holds no state for this process (as `on_train_begin` treats it). Any other
+        failure (e.g. unreachable storage) is raised: into `fit`, from its input."""
+        with CheckpointManager(self.directory, read_only=True) as manager:
             step = manager.latest_step()
-            state = None if step is None else (manager.host_state(step) or {}).get("data")
-        except Exception:  # noqa: BLE001 - e.g. storage unreachable or another process count
-            return None
+            if step is None:
+                return None
+            try:
+                state = (manager.host_state(step) or {}).get("data")
+            except IncompatibleCheckpointError:   # another process count: on_train_begin warns
+                return None
         if state is None:
             return None
         self.data.set_state(state)
@@ -317,6 +323,12 @@ class AsyncCheckpoint(keras.callbacks.Callback):
         return policies if (policies or self._base_policies is not None) else None
 
     def on_train_begin(self, logs=None):
+        try:
+            self._train_begin()
+        finally:
+            self._yields_mark = self._yields
+
+    def _train_begin(self):
         self._close(raise_errors=False)      # left open by a fit() that raised
         self._mode = self._resolved_mode()
         self.manager = CheckpointManager(self.directory, retention=self._policies(self._mode),
@@ -343,6 +355,19 @@ class AsyncCheckpoint(keras.callbacks.Callback):
         if not hasattr(model, "_initial_epoch"):
             raise CheckpointError(f"this Keras ({keras.__version__}) has no model._initial_epoch, which "
                                   "AsyncCheckpoint sets to resume at the next epoch; use Keras >= 3.0")
+        try:
+            host = self.manager.host_state(step) or {}
+        except IncompatibleCheckpointError as e:   # saved by another number of processes
+            log.warning("ckpt_callbacks: not restoring the host RNG / data state of step %d: %s", step, e)
+            host = {}
+        move_data = host.get("data") is not None and self._state_iterator() and step != self._data_at
+        self._data_at = None   # used once: a fit() that raises leaves no claim for the next one
+        if move_data and self._yields != self._yields_mark:   # before anything is loaded
+            raise ConfigError(
+                f"AsyncCheckpoint: fit() read batches from a batches() generator at a position other "
+                f"than step {step}'s (the generator of an earlier fit() whose last save was not "
+                f"committed, or that raised), so resuming would train on them first; nothing was "
+                f"restored. Fix: pass a new cb.batches() to each fit().")
         target = {"model": _state_tree(model), "progress": dict.fromkeys(_PROGRESS, 0)}
         try:
             tree = self.manager.restore(step, target=target)
@@ -365,16 +390,16 @@ class AsyncCheckpoint(keras.callbacks.Callback):
         p = tree["progress"]
         epoch, batch, self._global_step = int(p["epoch"]), int(p["batch"]), int(p["global_step"])
         self.best = None if p["best"] is None or math.isnan(p["best"]) else float(p["best"])
-        try:
-            host = self.manager.host_state(step) or {}
-        except IncompatibleCheckpointError as e:   # saved by another number of processes
-            log.warning("ckpt_callbacks: not restoring the host RNG / data state of step %d: %s", step, e)
-            host = {}
         if host.get("rng"):
             _set_rng_state(host["rng"])
-        if host.get("data") is not None and self._state_iterator() and step != self._data_at:
+        if move_data:
             self.data.set_state(host["data"])   # (at `_data_at`, fit() has read on from there already)
-        self._data_at = None   # used once: a fit() that raises leaves no claim for the next one
+        if batch and self._state_iterator():
+            log.warning("ckpt_callbacks: step %d was saved after batch %d of epoch %d; the iterator continues "
+                        "at the next unseen batch, but Keras runs all of that epoch's steps_per_epoch batches "
+                        "again, so later epochs end %d batches later than in an uninterrupted run (for an exact "
+                        "mid-epoch resume use ResumableDataset, or save at epoch ends)", step, batch, epoch + 1,
+                        batch)
         if batch and self.data is False:
             log.warning("ckpt_callbacks: step %d was saved after batch %d of epoch %d; data=False, so that "
                         "epoch restarts from its first batch", step, batch, epoch)
@@ -457,13 +482,15 @@ class AsyncCheckpoint(keras.callbacks.Callback):
 
     def on_train_end(self, logs=None):
         self._exit_warn_ctx()
-        if self._state_iterator():   # the next fit() of this callback finds the iterator where this
-            last = self._data_saved  # one's last save left it, unless it read on since
-            self._data_at = last[0] if last is not None and _same(last[1], _state_of(self.data)) else None
+        self._yields_mark = self._yields
+        last = self._data_saved if self._state_iterator() else None
+        claim = last[0] if last is not None and _same(last[1], _state_of(self.data)) else None
         if self._set_initial_epoch:
             self.model._initial_epoch = None
             self._set_initial_epoch = False
+        self._data_at = None
         self._close(raise_errors=True)
+        self._data_at = claim   # only once the step it names is committed
 
     # -- saving -------------------------------------------------------------------------------
     def _save(self, epoch: int, batch: int, metrics) -> bool:

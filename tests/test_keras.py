@@ -387,7 +387,8 @@ def test_a_grain_iterator_resumes_exactly_through_batches_or_a_pydataset(tmp_pat
         ref = reference(feed)
         refs.append(ref)
         d = str(tmp_path / name)
-        interrupted(d, feed)
+        old = interrupted(d, feed)[1]
+        old.manager.close()                  # as the interrupted process's exit would
         it = _grain_iterator(x, y)           # a new process
         model, cb = _model(), AsyncCheckpoint(d, data=it)
         model.fit(feed(cb, it), callbacks=[cb], **kw)
@@ -410,6 +411,19 @@ def test_a_grain_iterator_resumes_exactly_through_batches_or_a_pydataset(tmp_pat
     _assert_same_weights(model, refs[0])
     with pytest.raises(cc.ConfigError, match="batches"):
         next(AsyncCheckpoint(d).batches())
+
+    # the generator of a fit() that raised, given to the next fit(): Keras reads from it at a
+    # position past the last save before any hook runs; refused before anything is loaded
+    it = _grain_iterator(x, y)
+    model, cb = _model(), AsyncCheckpoint(str(tmp_path / "reused"), data=it)
+    batches = cb.batches()
+    with pytest.raises(KeyboardInterrupt):
+        model.fit(batches, callbacks=[cb, _Boom(2, 1)], **kw)
+    before = _weights(model)
+    with pytest.raises(cc.ConfigError, match="pass a new cb.batches"):
+        model.fit(batches, callbacks=[cb], **kw)
+    for a, b in zip(_weights(model), before):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_a_monitor_missing_from_the_logs_is_warned_about_once(ckdir, caplog):
