@@ -93,12 +93,16 @@ class JaxDistributed(Coordinator):
     def _fail(self, what: str, timeout_s: float, e: Exception, peer: int | None = None, t0: float | None = None):
         said = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
         waited = None if t0 is None else time.monotonic() - t0
-        if waited is not None and waited < 0.9 * timeout_s:   # not a timeout: the service answered so
-            who = {self.process_index: f"{what} failed after {waited:.1f}s: {said}"}
+        # a deadline that another process's wait ran out already, or a full wait here: a timeout;
+        # a call refused at once, or one that never waits (publishing): the service is gone
+        timed_out = "DEADLINE_EXCEEDED" in said or (waited is not None and waited >= 0.9 * timeout_s)
+        if not timed_out:
+            after = "" if waited is None else f" after {waited:.1f}s"
+            who = {self.process_index: f"{what} failed{after}: {said}"}
             raise CoordinationTimeoutError(
-                f"process {self.process_index}/{self.process_count}: {what} failed after {waited:.1f}s, "
-                f"before its {timeout_s:g}s timeout: the coordination service (hosted by process 0) is "
-                f"gone or refused it, e.g. process 0 died. Coordination service said: {said}", who) from None
+                f"process {self.process_index}/{self.process_count}: {what} failed{after}: the "
+                f"coordination service (hosted by process 0) is gone or refused it, e.g. process 0 "
+                f"died. Coordination service said: {said}", who) from None
         who = {self.process_index: f"timeout in {what}"}
         if peer is not None:
             who[peer] = f"sent nothing within {timeout_s:g}s (died or stuck)"

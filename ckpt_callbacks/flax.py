@@ -287,15 +287,15 @@ class CheckpointHook:
         """
         self._check_open()
         step = _as_step(step)
-        mngr = self.manager
-        if step == self.last_saved_step or step in mngr.all_steps():   # saved, or being saved: a no-op
-            log.info("ckpt_callbacks: step %d is already saved; not saving it again", step)
+        if step == self.last_saved_step:   # saved, or being saved: a no-op
             return False
-        force = bool(step % mngr.save_interval_steps)   # the hook decides when, not the manager's interval
         host = None
         if self.data_iterator is not None:
             host = {_ITER_KEY: self.data_iterator.get_state()}
-        started = mngr.save(step, state_tree(state), metrics=metrics, force=force, host_state=host)
+        # the hook decides when (not the manager's interval), and never replaces a committed step
+        # (which the manager finds out, for every process alike, and skips quietly)
+        started = self.manager._save(step, state_tree(state), metrics=metrics, host_state=host, due=True,
+                                     quiet=True)
         if started:
             self.last_saved_step = step
             self._last_save_time = self.clock()

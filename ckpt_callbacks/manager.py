@@ -157,34 +157,31 @@ class CheckpointManager:
         `metrics` (str -> number) are stored in the manifest and drive `KeepBest`. `host_state`
         is this process's own msgpack-able state (e.g. a data iterator's `get_state()`).
         """
+        return self._save(step, tree, metrics=metrics, host_state=host_state, due=force, replace=force)
+
+    def _save(self, step, tree, *, metrics=None, host_state=None, due=False, replace=False,
+              quiet=False) -> bool:
+        """`save`; also `CheckpointHook.save`'s: `due` skips the interval check, `replace` allows
+        replacing a committed step, `quiet` skips a committed step without a warning."""
         if self._closed or self.read_only:
             raise CheckpointError("save on a closed or read-only CheckpointManager")
         step = _check_step(step)
-        if not force and step % self.save_interval_steps:
+        if not due and step % self.save_interval_steps:
             return False
         metrics = _check_metrics(metrics)
         self._wait()
         self._pool.recycle()   # the previous save's writer is joined: its copies are free again
-        try:
-            committed = self.all_steps()
-        except StorageUnavailableError as e:   # as any save that meets an outage: training goes on
-            raise CheckpointSaveError(f"step {step} was not saved: the committed steps of {self.store.url} "
-                                      f"cannot be listed ({e}); nothing was started, the next save tries again",
-                                      {self.coord.process_index: f"StorageUnavailableError: {e}"}) from e
-        if step in committed and not force:
-            log.warning("ckpt_callbacks: step %d is already committed in %s; not saving it again "
-                        "(pass force=True to replace it)", step, self.store.url)
+        token, committed = self._agree_to_save(step)
+        if committed and not replace:
+            if not quiet:
+                log.warning("ckpt_callbacks: step %d is already committed in %s; not saving it again "
+                            "(pass force=True to replace it)", step, self.store.url)
             return False
         try:
             host_bytes = None if host_state is None else msgpack.packb(host_state, use_bin_type=True)
         except Exception as e:
             raise ConfigError(f"host_state must be msgpack-able (dicts, lists, str, numbers, bytes): {e}") from None
         snap = snapshot.plan(tree, coord=self.coord)
-        token = os.urandom(6).hex().encode() if self.coord.process_index == 0 else None
-        if self.coord.process_count > 1:
-            self._nsaves += 1
-            token = self.coord.broadcast(f"save/{self._nsaves}/token", token, self.timeout_s)
-        token = token.decode()
         budget = snapshot.ByteBudget(self.max_staging_bytes)
         items: queue.SimpleQueue = queue.SimpleQueue()
         save_time = self.clock()
@@ -209,7 +206,7 @@ class CheckpointManager:
         def run():
             try:
                 stats = write_and_commit(self.store, step, snap, items, coord=self.coord, metrics=metrics,
-                                         host_state=host_bytes, budget=budget, replace=force, token=token,
+                                         host_state=host_bytes, budget=budget, replace=replace, token=token,
                                          timeout_s=self.timeout_s, extra=extra_info, workers=self._workers,
                                          reuse_tree=self.store.local and not through_ok)
                 self._infos[step] = StepInfo(step, save_time, metrics)
@@ -249,6 +246,30 @@ class CheckpointManager:
         if not self.async_save:
             self._wait()
         return True
+
+    def _agree_to_save(self, step: int) -> tuple[str, bool]:
+        """(the save's token, whether `step` is committed), as process 0 sees them, on every process:
+        with several processes, each listing for itself could answer differently (an outage on one)
+        and leave their save counters apart for good. A listing that fails fails the save everywhere
+        (CheckpointSaveError, nothing started; the next save tries again)."""
+        pi, multi = self.coord.process_index, self.coord.process_count > 1
+        mine, error = None, None
+        if pi == 0:
+            try:
+                mine = [os.urandom(6).hex(), step in self.all_steps(), None]
+            except Exception as e:  # noqa: BLE001 - told to the others, then raised everywhere
+                error = e
+                mine = [None, False, f"{type(e).__name__}: {self.store.redact(str(e))}"]
+        if multi:
+            self._nsaves += 1
+            mine = msgpack.unpackb(self.coord.broadcast(
+                f"save/{self._nsaves}/token", msgpack.packb(mine) if pi == 0 else None, self.timeout_s))
+        token, committed, failed = mine
+        if failed is not None:
+            raise CheckpointSaveError(
+                f"step {step} was not saved: the committed steps of {self.store.url} cannot be listed "
+                f"({failed}); nothing was started, the next save tries again", {0: failed}) from error
+        return token, committed
 
     def _retain(self, stats: SaveStats, token: str = "") -> SaveStats:
         """Process 0 decides and deletes; then it tells the others (who wait), so that every

@@ -266,7 +266,8 @@ def _check(rec: dict, t, where: str) -> tuple | None:
         ok = kind == "host" and _family(t) == _family(rec["v"])
         return None if ok else (where, _expected(rec), f"{type(t).__name__}" + (" value" if kind == "host" else ""))
     if kind == "host":   # a Python number stands for a 0-d numeric array (a step counter after jit)
-        ok = _family(t) == "number" and rec["sh"] == [] and not rec.get("prng")
+        ok = (_family(t) == "number" and rec["sh"] == [] and not rec.get("prng")
+              and fmt.logical_dtype(rec["dt"]).kind != "c")
         return None if ok else (where, _expected(rec), f"{type(t).__name__} value")
     if kind == "other":
         return (where, _expected(rec), f"unsupported target leaf {type(t).__name__}")

@@ -195,6 +195,28 @@ def save_and_check(root: str, one_process_dir: str | None = None, mesh_shape=(2,
         out["retained_deleted"] = [list(s.deleted) for s in mngr.history]
         out["retained_x"] = mngr.restore(target={"x": np.zeros(4, np.int32), "w": abstract(m)["w"]})["x"].tolist()
     out.update(fallback_together(os.path.join(root, "fallback"), m))
+
+    # process 0 cannot list the committed steps when save(2) is called (an outage there only):
+    # every process raises CheckpointSaveError, and the next save works on every process
+    with cc.CheckpointManager(os.path.join(root, "outage"), timeout_s=60) as mngr:
+        mngr.save(1, {"w": tree["w"]})
+        mngr.wait_until_finished()
+        real = mngr.store.committed_steps
+        if pi == 0:
+            def unreachable():
+                raise cc.StorageUnavailableError("list commits/ failed: connection refused")
+            mngr.store.committed_steps = unreachable
+        try:
+            mngr.save(2, {"w": tree["w"]})
+            out["outage_save"] = None
+        except cc.CheckpointError as e:
+            out["outage_save"] = [type(e).__name__, str(e)]
+        mngr.store.committed_steps = real
+        t0 = time.monotonic()
+        mngr.save(3, {"w": tree["w"]})
+        mngr.wait_until_finished()
+        out["outage_next_s"] = time.monotonic() - t0
+        out["outage_steps"] = mngr.all_steps()
     return out
 
 

@@ -123,6 +123,14 @@ def test_host_state_is_saved_per_process(two):
     assert [r["host_state"] for r in res] == [{"pos": 100, "proc": 0}, {"pos": 101, "proc": 1}]
 
 
+def test_a_listing_outage_on_process_0_fails_that_save_on_every_process_and_the_next_works(two):
+    # each process listing for itself would let one start a save the others skip, for good
+    _, res = two
+    for r in res:
+        assert r["outage_save"][0] == "CheckpointSaveError" and "step 2 was not saved" in r["outage_save"][1], r
+        assert r["outage_steps"] == [1, 3] and r["outage_next_s"] < 30, r
+
+
 def test_start_up_failure_on_process_0_is_raised_on_every_process(two):
     _, res = two
     assert res[0]["locked"][0] == "CheckpointLockedError"
@@ -246,6 +254,31 @@ def test_single_process_coordination_is_a_no_op():
     assert isinstance(c, coordination.SingleProcess) and c.process_count == 1 == jax.process_count()
     assert coordination.for_directory(c, "/x") is c and c.scoped("a") is c
     assert c.all_gather("g", b"x", 1) == [b"x"] and c.broadcast("b", b"y", 1) == b"y"
+
+
+def test_coordination_failures_say_whether_a_wait_timed_out_or_the_service_is_gone():
+    class Refusing:   # what the jax.distributed client raises (the service's status first)
+        def __init__(self, said):
+            self.said = said
+
+        def wait_at_barrier(self, key, ms):
+            raise RuntimeError(self.said)
+
+        blocking_key_value_get_bytes = wait_at_barrier
+
+        def key_value_set_bytes(self, key, data):
+            raise RuntimeError(self.said)
+
+    gone = coordination.JaxDistributed(Refusing("UNAVAILABLE: failed to connect to all addresses"), 1, 2)
+    with pytest.raises(coordination.CoordinationTimeoutError, match="service .* is gone or refused it") as e:
+        gone.barrier("b", 60)
+    assert "within 60s" not in str(e.value) and "UNAVAILABLE" in str(e.value)
+    with pytest.raises(coordination.CoordinationTimeoutError, match="publishing 'g/1' failed: the coordination"):
+        gone.all_gather("g", b"x", 60)
+    late = coordination.JaxDistributed(Refusing("DEADLINE_EXCEEDED: Barrier timed out"), 1, 2)
+    with pytest.raises(coordination.CoordinationTimeoutError, match="did not complete within 60s") as e:
+        late.broadcast("t", None, 60)
+    assert "died or stuck" in e.value.failures[0]
 
 
 @hypothesis.settings(max_examples=200, deadline=None)

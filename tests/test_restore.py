@@ -228,10 +228,10 @@ def test_mismatches_name_key_paths(ckdir):
 
 
 def test_python_scalar_target_leaves_match_only_their_kind_and_none_stands_for_anything(ckdir):
-    saved = {"w": np.ones(3), "step": jnp.int32(7), "epoch": 2, "name": "run", "none": None}
+    saved = {"w": np.ones(3), "step": jnp.int32(7), "epoch": 2, "name": "run", "none": None, "c": np.complex64(1j)}
     save(ckdir, saved)
     m = cc.CheckpointManager(ckdir, read_only=True)
-    ok = {"w": np.zeros(3), "step": 0, "epoch": 0.0, "name": "", "none": None}   # a Python number
+    ok = {"w": np.zeros(3), "step": 0, "epoch": 0.0, "name": "", "none": None, "c": None}   # a Python number
     out = m.restore(target=ok)                                                   # stands for a 0-d array
     assert out["step"] == 7 and out["epoch"] == 2 and out["name"] == "run" and out["none"] is None
     # None is a placeholder (a field that is None in a fresh train state): the saved value comes back
@@ -240,7 +240,7 @@ def test_python_scalar_target_leaves_match_only_their_kind_and_none_stands_for_a
     assert out["step"] == 7 and out["epoch"] == 2 and out["name"] == "run" and out["none"] is None
     for key, leaf, has, expects in [("w", 0.0, "float64[3]", "float value"), ("step", "7", "int32[]", "str value"),
                                     ("epoch", "2", "int value", "str value"), ("none", 0, "None", "int value"),
-                                    ("none", np.zeros(2), "None", "ndarray"),
+                                    ("none", np.zeros(2), "None", "ndarray"), ("c", 0, "complex64[]", "int value"),
                                     ("name", b"run", "str value", "bytes value")]:
         with pytest.raises(cc.IncompatibleCheckpointError) as e:
             m.restore(target={**ok, key: leaf})
