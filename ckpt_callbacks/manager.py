@@ -51,10 +51,10 @@ __all__ = ["CheckpointManager"]
 log = logging.getLogger("ckpt_callbacks")
 
 
-def _check_step(step, what: str = "step") -> int:
+def _check_step(step) -> int:
     """`step` as an int (numpy integers too), or ConfigError: a step names a directory of 10 digits."""
     if isinstance(step, (bool, np.bool_)) or not isinstance(step, (int, np.integer)) or not 0 <= step < 10**10:
-        raise ConfigError(f"{what} must be an int in [0, 1e10), got {step!r}")
+        raise ConfigError(f"step must be an int in [0, 1e10), got {step!r}")
     return int(step)
 
 
