@@ -143,13 +143,13 @@ class CheckpointHook:
                  clock=time.monotonic):
         self.every_steps = _positive_or_none("every_steps", every_steps)
         self.every_secs = _positive_or_none("every_secs", every_secs, float)
-        if isinstance(on_steps, (str, bytes)) or not (on_steps is None or hasattr(on_steps, "__iter__")):
-            raise ConfigError(f"on_steps must be a collection of steps (e.g. [1000, 5000]), got {on_steps!r}")
         try:
+            if isinstance(on_steps, (str, bytes)):
+                raise TypeError(on_steps)
             self.on_steps = frozenset(_as_step(s) for s in (on_steps if on_steps is not None else ()))
         except ConfigError as e:
             raise ConfigError(f"on_steps: {e}") from None
-        except TypeError:   # e.g. a 0-d numpy array
+        except TypeError:   # not a collection: an int, a str, a 0-d numpy array
             raise ConfigError(f"on_steps must be a collection of steps (e.g. [1000, 5000]), got {on_steps!r}") from None
         if self.every_steps is None and self.every_secs is None and not self.on_steps:
             self.every_steps = 1

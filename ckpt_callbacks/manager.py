@@ -37,9 +37,9 @@ import threading
 import time
 
 import msgpack
-import numpy as np
 
 from . import coordination, lock, restore as restore_mod, snapshot
+from . import format as fmt
 from .errors import (CheckpointError, CheckpointNotFoundError, CheckpointSaveError, ConfigError,
                      CorruptCheckpointError, IncompatibleCheckpointError, StorageUnavailableError)
 from .retention import StepInfo, as_policies, best_policy, decide
@@ -53,8 +53,10 @@ log = logging.getLogger("ckpt_callbacks")
 
 def _check_step(step) -> int:
     """`step` as an int (numpy integers too), or ConfigError: a step names a directory of 10 digits."""
-    if isinstance(step, (bool, np.bool_)) or not isinstance(step, (int, np.integer)) or not 0 <= step < 10**10:
-        raise ConfigError(f"step must be an int in [0, 1e10), got {step!r}")
+    try:
+        fmt.step_name(step)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     return int(step)
 
 
