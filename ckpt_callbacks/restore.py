@@ -256,6 +256,29 @@ def _family(v) -> str:
     return "bytes" if isinstance(v, bytes) else "str" if isinstance(v, str) else "number"
 
 
+def _fits_0d(v, t) -> bool:
+    """Whether a saved Python number may fill a 0-d array target `t` (an abstract train state from
+    `jax.eval_shape`, say, of a state saved with a Python step counter): bool into bool, an int
+    into an integer dtype that holds it or a float dtype that holds it exactly, a float into a
+    real float dtype."""
+    if list(getattr(t, "shape", [None])) != [] or isinstance(v, (str, bytes)) or treepath.is_prng_key(t):
+        return False
+    dt = np.dtype(t.dtype)
+    if isinstance(v, bool) or dt == np.bool_:
+        return isinstance(v, bool) and dt == np.bool_
+    floating = jax.numpy.issubdtype(dt, jax.numpy.floating)
+    if isinstance(v, int):
+        if jax.numpy.issubdtype(dt, jax.numpy.integer):
+            info = jax.numpy.iinfo(dt)
+            return int(info.min) <= v <= int(info.max)
+        try:   # exactly: a step counter must not come back rounded
+            with np.errstate(all="ignore"):
+                return floating and int(np.asarray(v, dt).astype(np.float64)) == v
+        except (OverflowError, ValueError):   # beyond float64, or inf in the target dtype
+            return False
+    return isinstance(v, float) and floating
+
+
 def _check(rec: dict, t, where: str) -> tuple | None:
     kind = _target_kind(t)
     if t is None:   # a placeholder (e.g. a field that is None in a fresh train state): the saved value
@@ -263,8 +286,14 @@ def _check(rec: dict, t, where: str) -> tuple | None:
     if rec["k"] == "none":
         return (where, "None", f"{type(t).__name__}" + (" value" if kind == "host" else ""))
     if rec["k"] == "py":
-        ok = kind == "host" and _family(t) == _family(rec["v"])
-        return None if ok else (where, _expected(rec), f"{type(t).__name__}" + (" value" if kind == "host" else ""))
+        ok = (_family(t) == _family(rec["v"]) if kind == "host"
+              else kind in ("numpy", "jax") and _fits_0d(rec["v"], t))
+        if ok:
+            return None
+        has = f"{type(t).__name__}" + (" value" if kind == "host" else "")
+        if kind in ("numpy", "jax") and not treepath.is_prng_key(t):
+            has = f"{fmt.dtype_name(t.dtype)}{list(t.shape)}"
+        return (where, _expected(rec), has)
     if kind == "host":   # a Python number stands for a 0-d numeric array (a step counter after jit)
         ok = (_family(t) == "number" and rec["sh"] == [] and not rec.get("prng")
               and fmt.logical_dtype(rec["dt"]).kind != "c")
@@ -356,9 +385,9 @@ def _map(fn, items: list) -> list:
 def _restore_leaf(reader: leaf_reader, rec: dict, t):
     if rec["k"] == "none":
         return None
-    if rec["k"] == "py":
-        return rec["v"]
     kind = _target_kind(t)
+    if rec["k"] == "py":
+        return rec["v"] if kind not in ("numpy", "jax") else _py_onto(rec["v"], t, kind)
     full = tuple((0, d) for d in rec["sh"])
     if kind in ("host", "numpy") or (kind == "jax" and getattr(t, "sharding", None) is None):
         data = reader.read_box(rec, full)
@@ -389,6 +418,17 @@ def _restore_leaf(reader: leaf_reader, rec: dict, t):
         return host[tuple(slice(lo - o, hi - o) for (lo, hi), (o, _) in zip(b, bbox))]
 
     return jax.make_array_from_callback(shape, sharding, cb)
+
+
+def _py_onto(v, t, kind: str):
+    """A saved Python number as the 0-d array target `t` asks for (see `_fits_0d`)."""
+    value = np.asarray(v, np.dtype(t.dtype))
+    if kind == "numpy":
+        return value[()] if isinstance(t, np.generic) else value
+    sharding = getattr(t, "sharding", None)
+    if sharding is None:
+        return jax.device_put(value)
+    return jax.make_array_from_callback((), sharding, lambda idx: value[idx])
 
 
 def _restore_keys(rec: dict, data: np.ndarray, sharding):

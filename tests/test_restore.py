@@ -247,6 +247,33 @@ def test_python_scalar_target_leaves_match_only_their_kind_and_none_stands_for_a
         assert f"['{key}']: checkpoint has {has}, target expects {expects}" in str(e.value), (key, leaf)
 
 
+def test_a_saved_python_number_fills_a_0d_array_target_that_holds_it_exactly(ckdir):
+    # a train state saved with Python counters, restored onto `jax.eval_shape`'s abstract state
+    save(ckdir, {"step": 5, "lr": 0.5, "flag": True, "big": 2 ** 40, "neg": -3})
+    m = cc.CheckpointManager(ckdir, read_only=True)
+    mesh = jax.make_mesh((4, 2), ("a", "b"))
+    rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    target = {"step": jax.ShapeDtypeStruct((), jnp.int32, sharding=rep),
+              "lr": jax.ShapeDtypeStruct((), jnp.bfloat16, sharding=rep),
+              "flag": np.bool_(False), "big": np.zeros((), np.int64), "neg": jnp.float32(0)}
+    out = m.restore(target=target)
+    assert out["step"].dtype == jnp.int32 and int(out["step"]) == 5 and out["step"].sharding == rep
+    assert out["lr"].dtype == jnp.bfloat16 and float(out["lr"]) == 0.5
+    assert isinstance(out["flag"], np.bool_) and out["flag"]
+    assert isinstance(out["big"], np.ndarray) and out["big"].dtype == np.int64 and out["big"] == 2 ** 40
+    assert out["neg"].dtype == jnp.float32 and float(out["neg"]) == -3.0
+    # never rounded, wrapped or reinterpreted: the value must fit the target's dtype as it is
+    for key, leaf, has, expects in [("big", np.zeros((), np.int32), "int value", "int32[]"),
+                                    ("big", jnp.float16(0), "int value", "float16[]"),
+                                    ("neg", np.zeros((), np.uint8), "int value", "uint8[]"),
+                                    ("lr", np.zeros((), np.int32), "float value", "int32[]"),
+                                    ("flag", np.zeros((), np.int32), "bool value", "int32[]"),
+                                    ("step", np.zeros((1,), np.int32), "int value", "int32[1]")]:
+        with pytest.raises(cc.IncompatibleCheckpointError) as e:
+            m.restore(target={**target, key: leaf})
+        assert f"['{key}']: checkpoint has {has}, target expects {expects}" in str(e.value), (key, leaf)
+
+
 def test_missing_checkpoint_and_unknown_version(ckdir, tmp_path):
     with pytest.raises(FileNotFoundError):
         cc.CheckpointManager(str(tmp_path / "nothing"), read_only=True).restore()
