@@ -49,6 +49,7 @@ import random
 import threading
 import time
 import warnings
+from collections.abc import Mapping
 
 import keras
 import numpy as np
@@ -173,7 +174,8 @@ class AsyncCheckpoint(keras.callbacks.Callback):
       mode: ``"auto"`` (losses minimize; compiled metrics use their direction), ``"min"``, ``"max"``.
       initial_value_threshold: a step ranks as best only if its monitor value beats this.
       retention: a policy, list of policies or config dict (see `ckpt_callbacks.retention_from_config`);
-        combined ("kept if any keeps") with the two shorthands below. All None: keep every step.
+        combined ("kept if any keeps") with the two shorthands below. All None: keep every step. A
+        dict's ``keep_best`` without a ``mode`` takes the direction ``mode="auto"`` finds for its metric.
       keep_last: keep the N newest steps.
       keep_best: keep the N best steps by `monitor` (True means 1). Steps without the monitor
         (mid-epoch saves, epochs without validation) never rank.
@@ -207,6 +209,10 @@ class AsyncCheckpoint(keras.callbacks.Callback):
         if keep_best is False:
             keep_best = None
         self._base_policies = as_policies(retention)  # validates now
+        # a config dict's keep_best without a mode takes the direction that mode="auto" finds for
+        # its metric (the callback's own mode for its monitor), once the model is known
+        kb = retention.get("keep_best") if isinstance(retention, Mapping) else None
+        self._auto_best = dict(retention) if isinstance(kb, Mapping) and kb.get("mode") is None else None
         if keep_last is not None:
             KeepLast(keep_last)
         if keep_best is not None:
@@ -235,6 +241,7 @@ class AsyncCheckpoint(keras.callbacks.Callback):
         self.initial_batch = 0                   # batches of `initial_epoch` skipped on resume
         self.last_blocking_s: float | None = None
         self._warn_ctx = None
+        self._epoch_end = None
         self._set_initial_epoch = False
         self._open = False
         # `_data_at`: the step whose position a get_state()/set_state() `data` iterator holds
@@ -296,10 +303,12 @@ class AsyncCheckpoint(keras.callbacks.Callback):
         self.data.set_state(state)
         return step
 
-    def _resolved_mode(self) -> str | None:
-        if self.mode != "auto":
+    def _resolved_mode(self, monitor: str | None = None) -> str | None:
+        """"min" or "max" for `monitor` (the callback's own by default) under this callback's mode;
+        None where mode="auto" cannot tell."""
+        if self.mode != "auto" and monitor in (None, self.monitor):
             return self.mode
-        name = self.monitor.removeprefix("val_")
+        name = (monitor or self.monitor).removeprefix("val_")
         if name == "loss" or name.endswith("_loss"):
             return "min"
         for container in getattr(self.model, "metrics", []):
@@ -310,6 +319,14 @@ class AsyncCheckpoint(keras.callbacks.Callback):
 
     def _policies(self, mode: str | None):
         policies = list(self._base_policies or [])
+        if self._auto_best is not None:
+            metric = self._auto_best["keep_best"]["metric"]
+            best_mode = self._resolved_mode(metric)
+            if best_mode is None:
+                raise ConfigError(f"retention.keep_best: cannot tell whether {metric!r} should be minimized or "
+                                  f"maximized. Fix: give it a mode ('min' or 'max').")
+            config = {**self._auto_best, "keep_best": {**self._auto_best["keep_best"], "mode": best_mode}}
+            policies = as_policies(config) or []
         if self.keep_last is not None:
             policies.append(KeepLast(self.keep_last))
         if self.keep_best is not None:
@@ -330,6 +347,7 @@ class AsyncCheckpoint(keras.callbacks.Callback):
 
     def _train_begin(self):
         self._close(raise_errors=False)      # left open by a fit() that raised
+        self._check_epochs_are_passes()
         self._mode = self._resolved_mode()
         self.manager = CheckpointManager(self.directory, retention=self._policies(self._mode),
                                          async_save=self.async_save, max_staging_bytes=self.max_staging_bytes)
@@ -349,6 +367,20 @@ class AsyncCheckpoint(keras.callbacks.Callback):
             raise ConfigError(f"{self.manager.store.url} already holds checkpoints (latest step {step}) and "
                               f"resume=False. Fix: use a new directory, or resume=True to continue that run.")
         self._restore(step)
+
+    def _check_epochs_are_passes(self) -> None:
+        """A ResumableDataset's epoch must be one pass over it: with another `steps_per_epoch`,
+        Keras carries its iterator over epoch ends (or stops short), so epochs and passes drift
+        apart and an epoch's batch order would change in the middle of a pass."""
+        if not isinstance(self.data, ResumableDataset):
+            return
+        steps = (self.params or {}).get("steps")
+        n = int(self.data.dataset.num_batches)
+        if steps is not None and int(steps) not in (n, self.data.num_batches):
+            raise ConfigError(
+                f"AsyncCheckpoint: fit() runs {steps} steps per epoch, but the ResumableDataset holds {n} "
+                f"batches: its epochs must be whole passes for a resume to continue at the right batch. "
+                f"Fix: drop steps_per_epoch (or set it to {n}), or make the dataset's length the epoch.")
 
     def _restore(self, step: int) -> None:
         model = self.model
@@ -372,9 +404,10 @@ class AsyncCheckpoint(keras.callbacks.Callback):
         try:
             tree = self.manager.restore(step, target=target)
         except IncompatibleCheckpointError as e:
+            detail = "\n".join(line for line in str(e).splitlines() if not line.startswith("Fix:"))
             raise IncompatibleCheckpointError(
                 f"AsyncCheckpoint: the model does not match checkpoint step {step} in {self.manager.store.url}; "
-                f"nothing was loaded. {e}\nFix: build and compile the same model (layer names and shapes, "
+                f"nothing was loaded. {detail}\nFix: build and compile the same model (layer names and shapes, "
                 f"optimizer, metrics) before fit(), or start in a new directory.", e.mismatches) from None
         values = tree["model"]
         for group, variables in _variable_groups(model).items():
@@ -402,7 +435,7 @@ class AsyncCheckpoint(keras.callbacks.Callback):
                         batch)
         if batch and self.data is False:
             log.warning("ckpt_callbacks: step %d was saved after batch %d of epoch %d; data=False, so that "
-                        "epoch restarts from its first batch", step, batch, epoch)
+                        "epoch restarts from its first batch", step, batch, epoch + 1)
             batch = 0
         epochs = (self.params or {}).get("epochs")
         if epochs is not None and epoch >= epochs:
@@ -438,6 +471,12 @@ class AsyncCheckpoint(keras.callbacks.Callback):
                 self._warn_ctx.__enter__()
                 warnings.filterwarnings("ignore", message=_RAN_OUT)
         self._resumed_metrics = None
+        # where this epoch's batches end: a ResumableDataset's pass, else what Keras runs after `skip`
+        steps = (self.params or {}).get("steps")
+        if isinstance(self.data, ResumableDataset):
+            self._epoch_end = int(self.data.dataset.num_batches)
+        else:
+            self._epoch_end = skip + int(steps) if steps else None
 
     def on_train_batch_begin(self, batch, logs=None):
         # `batch` is the first step of this call: every step before it has run
@@ -448,8 +487,13 @@ class AsyncCheckpoint(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         # Off the main thread (async_safe): only records how far the epoch got, for on_epoch_end.
+        # With steps_per_execution, Keras reports the last step of a call as begin + N - 1 even
+        # when the epoch's data ran out inside it: never count beyond the epoch.
+        ended = self._skip + int(batch) + 1
+        if self._epoch_end is not None:
+            ended = min(ended, self._epoch_end)
         with self._ended_lock:
-            self._ended = max(self._ended, self._skip + int(batch) + 1)
+            self._ended = max(self._ended, ended)
 
     def _advance(self, done: int) -> None:
         """Count the steps of this epoch up to `done` (main thread)."""

@@ -19,6 +19,13 @@ epoch a resumed run continues in the middle of; in every other epoch the wrapper
 (from 0 per wrapper object; not with ``use_multiprocessing=True``, whose fetches happen in other
 processes), so a run with and one without checkpointing see the same batches.
 
+Worker threads: Keras' own prefetching (`workers` > 1) carries batches it fetched ahead over epoch
+boundaries (it stops its queue at each epoch's end and serves what was left at the start of the
+next epoch), so no batch position could be resumed. The wrapper therefore tells Keras
+``workers=1`` and runs the dataset's `workers` threads itself, fetching up to `max_queue_size`
+batches ahead within the epoch's order only. ``use_multiprocessing=True`` is refused (worker
+processes would never see `set_position`).
+
 Why a wrapper: Keras fixes the batches of an epoch when it builds the epoch's iterator and offers
 no hook to start it at batch k. Its own ``fit(shuffle=True)`` draws a fresh order from Python's
 global `random` for each epoch, which a resumed run cannot replay from the middle; so pass
@@ -28,6 +35,8 @@ warns that the input "ran out of data"; `AsyncCheckpoint` silences that one warn
 """
 
 from __future__ import annotations
+
+import concurrent.futures
 
 import keras
 import numpy as np
@@ -42,7 +51,8 @@ class ResumableDataset(keras.utils.PyDataset):
 
     Args:
       dataset: an index-based `keras.utils.PyDataset` with a finite `num_batches` (or `__len__`);
-        its `workers`, `use_multiprocessing` and `max_queue_size` are taken over.
+        its `workers` (threads) and `max_queue_size` are taken over: the wrapper fetches that
+        many batches ahead on that many threads, within the current epoch's order.
       shuffle_seed: None keeps the dataset's order; an int shuffles the batch order of each epoch
         by ``numpy.random.default_rng((shuffle_seed, epoch))``.
     """
@@ -57,12 +67,20 @@ class ResumableDataset(keras.utils.PyDataset):
                               "PyDataset has no epoch position to resume at")
         if shuffle_seed is not None and (isinstance(shuffle_seed, bool) or not isinstance(shuffle_seed, int)):
             raise ConfigError(f"shuffle_seed must be None or an int, got {shuffle_seed!r}")
-        super().__init__(workers=dataset.workers, use_multiprocessing=dataset.use_multiprocessing,
-                         max_queue_size=dataset.max_queue_size)
+        if dataset.use_multiprocessing:
+            raise ConfigError("ResumableDataset cannot resume batches fetched by worker processes "
+                              "(use_multiprocessing=True: they never see the position to resume at). Fix: "
+                              "use_multiprocessing=False; the wrapper fetches on `workers` threads itself")
+        super().__init__(workers=1, use_multiprocessing=False, max_queue_size=dataset.max_queue_size)
         self.dataset = dataset
         self.shuffle_seed = shuffle_seed
         self.epoch = 0
         self.skip = 0
+        self._threads = max(1, int(dataset.workers or 1))
+        self._ahead = max(1, int(dataset.max_queue_size or 1))
+        self._pool = None
+        self._pending: dict = {}    # index -> future of that batch, for the order of `_pending_for`
+        self._pending_for = None
 
     def batch_order(self, epoch: int) -> np.ndarray:
         """The indices into `dataset` that epoch `epoch` visits, in order (before skipping)."""
@@ -97,7 +115,34 @@ class ResumableDataset(keras.utils.PyDataset):
         if order is None:
             order = self._order = self.batch_order(self.epoch)
         self._fetched = getattr(self, "_fetched", 0) + 1
-        return self.dataset[int(order[self.skip + index])]
+        if self._threads == 1:
+            return self.dataset[int(order[self.skip + index])]
+        return self._prefetched(order, index)
+
+    def _prefetched(self, order, index: int):
+        """Batch `index` of the current epoch, and the next `max_queue_size` ones submitted to the
+        worker threads. Keras asks for indices in order on its main thread (and starts again at 0
+        after peeking at the first batch); fetches for another position or epoch are dropped."""
+        at = (self.epoch, self.skip, id(order))
+        if at != self._pending_for:
+            self._drop()
+            self._pending_for = at
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(self._threads, thread_name_prefix="ResumableDataset")
+        for j in [j for j in self._pending if j < index]:   # behind us: never asked for again
+            self._pending.pop(j).cancel()
+        future = self._pending.pop(index, None)
+        if future is None:
+            future = self._pool.submit(self.dataset.__getitem__, int(order[self.skip + index]))
+        for j in range(index + 1, min(index + 1 + self._ahead, self.num_batches)):
+            if j not in self._pending:
+                self._pending[j] = self._pool.submit(self.dataset.__getitem__, int(order[self.skip + j]))
+        return future.result()
+
+    def _drop(self) -> None:
+        for f in self._pending.values():
+            f.cancel()
+        self._pending = {}
 
     def on_epoch_begin(self):
         self._fetched = 0

@@ -271,6 +271,88 @@ def test_resumable_dataset_order_skip_and_epochs():
         ds.set_position(0, skip=11)
 
 
+class _Indexed(keras.utils.PyDataset):
+    """Batch i holds the value i in every row (8 batches of 4 rows)."""
+
+    def __init__(self, n=8, **kw):
+        super().__init__(**kw)
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        x = np.full((4, 1), i, "float32")
+        return x, x
+
+
+def _tapped_model():
+    """A model that records, in order, the batch (its value) each training step ran on."""
+    seen = []
+
+    class Tap(keras.layers.Layer):
+        def call(self, t, training=None):
+            if training:
+                jax.debug.callback(lambda v: seen.append(int(v)), t[0, 0], ordered=True)
+            return t
+
+    keras.backend.clear_session()
+    model = keras.Sequential([keras.Input((1,)), Tap(), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+    return model, seen
+
+
+@pytest.mark.parametrize("workers", [1, 3])
+def test_resumable_dataset_with_worker_threads_trains_each_epoch_in_its_own_order(ckdir, workers):
+    """Keras' own prefetching (workers > 1) serves batches fetched ahead at the start of the next
+    epoch; the wrapper fetches on the dataset's threads itself, within the epoch's order."""
+    ds = ResumableDataset(_Indexed(workers=workers, max_queue_size=3), shuffle_seed=0)
+    assert ds.workers == 1
+    model, seen = _tapped_model()
+    model.fit(ds, epochs=3, shuffle=False, verbose=0, callbacks=[AsyncCheckpoint(ckdir, save_freq=3, data=ds)])
+    jax.effects_barrier()
+    assert seen == [int(i) for e in range(3) for i in ds.batch_order(e)]
+    with pytest.raises(cc.ConfigError, match="use_multiprocessing"):
+        ResumableDataset(_Indexed(workers=2, use_multiprocessing=True))
+
+
+def test_a_resumable_dataset_epoch_must_be_one_pass(ckdir):
+    ds = ResumableDataset(_Indexed(n=16), shuffle_seed=0)
+    model, _ = _tapped_model()
+    with pytest.raises(cc.ConfigError, match="6 steps per epoch, but the ResumableDataset holds 16"):
+        model.fit(ds, epochs=2, steps_per_epoch=6, shuffle=False, verbose=0,
+                  callbacks=[AsyncCheckpoint(ckdir, data=ds)])
+    assert cc.CheckpointManager(ckdir, read_only=True).all_steps() == []
+
+
+def test_steps_count_only_batches_run_when_steps_per_execution_overshoots_the_epoch(ckdir):
+    """10 batches per epoch in calls of 3: Keras reports the last call as steps 9-11."""
+    x, y, _ = _data(n=160)
+    model = _model()
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse", steps_per_execution=3)
+    cb = AsyncCheckpoint(ckdir)
+    model.fit(x, y, batch_size=16, epochs=2, verbose=0, shuffle=False, callbacks=[cb])
+    assert int(model.optimizer.iterations) == 20 and cb.manager.all_steps() == [10, 20]
+    assert int(cc.CheckpointManager(ckdir, read_only=True).restore(20)["progress"]["global_step"]) == 20
+
+
+def test_a_retention_dict_keep_best_without_mode_follows_the_metric_direction(ckdir):
+    x, y, val = _data()
+    keras.backend.clear_session()
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(2)])
+    model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"])
+    labels, vlabels = (y[:, 0] > 0).astype("int32"), (val[1][:, 0] > 0).astype("int32")
+    for metric, mode in [("val_accuracy", "max"), ("val_loss", "min")]:
+        cb = AsyncCheckpoint(os.path.join(ckdir, metric), monitor="val_accuracy",
+                             retention={"keep_last": 1, "keep_best": {"metric": metric}})
+        model.fit(x, labels, batch_size=16, epochs=1, validation_data=(val[0], vlabels), verbose=0, callbacks=[cb])
+        assert [(p.metric, p.mode) for p in cb.manager.policies if isinstance(p, cc.KeepBest)] == [(metric, mode)]
+    cb = AsyncCheckpoint(os.path.join(ckdir, "x"), retention={"keep_best": {"metric": "val_mystery"}})
+    with pytest.raises(cc.ConfigError, match="retention.keep_best: cannot tell whether 'val_mystery'"):
+        model.fit(x, labels, batch_size=16, epochs=1, verbose=0, callbacks=[cb])
+
+
 def test_configuration_errors(ckdir):
     with pytest.raises(cc.ConfigError, match="ResumableDataset"):
         AsyncCheckpoint(ckdir, save_freq=10)
