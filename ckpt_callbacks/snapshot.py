@@ -70,11 +70,20 @@ class ByteBudget:
         self.limit, self.used, self.peak = limit, 0, 0
         self._cv = threading.Condition()
 
-    def acquire(self, n: int) -> None:
+    def _fits(self, n: int) -> bool:   # a single item larger than the budget is allowed alone
+        return self.limit is None or self.used == 0 or self.used + n <= self.limit
+
+    def acquire(self, n: int, before_wait=None) -> None:
+        """Reserve `n` bytes. Where that must wait, `before_wait()` is called first (outside the
+        lock): `copy` then asks the writer to write out what it holds back (packed leaves
+        gathered for a blob), whose bytes would otherwise never come back."""
+        if before_wait is not None:
+            with self._cv:
+                fits = self._fits(n)
+            if not fits:
+                before_wait()
         with self._cv:
-            if self.limit is not None:
-                # a single item larger than the budget is allowed alone
-                self._cv.wait_for(lambda: self.limit is None or self.used == 0 or self.used + n <= self.limit)
+            self._cv.wait_for(lambda: self._fits(n))
             self.used += n
             self.peak = max(self.peak, self.used)
 
@@ -349,7 +358,7 @@ def _on_cpu(x) -> bool:
     return isinstance(x, jax.Array) and all(d.platform == "cpu" for d in x.sharding.device_set)
 
 
-def _whole_copy(x, boxes, budget) -> dict | None:
+def _whole_copy(x, boxes, budget, before_wait=None) -> dict | None:
     """Off CPU, a leaf whose every addressable shard is unique and written here gets one jitted
     on-device copy, dispatched asynchronously (the runtime orders it before any later donation of
     `x`); its bytes are reserved at once. Returns {box: single-device array}, or None."""
@@ -362,7 +371,7 @@ def _whole_copy(x, boxes, budget) -> dict | None:
     if budget and budget.limit is not None and total > budget.limit:
         return None  # larger than the whole budget: shard by shard, so the budget holds
     if budget:
-        budget.acquire(total)
+        budget.acquire(total, before_wait)
     c = _device_copy(x)
     return {layout.box_of(s.index, x.shape): s.data for s in c.addressable_shards}
 
@@ -426,7 +435,8 @@ def copy(snap: Snapshot, emit, budget: ByteBudget | None = None, pool: HostPool 
 
     `emit(("packed", leaf, ndarray))` or `emit(("array", ArrayWrite))`; then `emit(None)`. With a
     budget, each copy first reserves its bytes; the consumer releases them once written, so the
-    copies of later leaves wait for the writes of earlier ones. With a `pool`, host-side leaves
+    copies of later leaves wait for the writes of earlier ones (before such a wait, `emit(("flush",))`
+    asks the consumer to write the packed leaves it gathers for a blob: their bytes come back then). With a `pool`, host-side leaves
     are copied into its buffers when they fit (``snap.pooled`` then says so). Then `through`
     (`writing.WriteThrough`, local stores) is offered each host-side box of an array leaf first:
     it returns a future of the files it writes from the caller's buffer, or None (then the box is
@@ -441,6 +451,10 @@ def copy(snap: Snapshot, emit, budget: ByteBudget | None = None, pool: HostPool 
     eager = pool.copy_of if snap.pooled else None
     through = through if snap.pooled else None
     pending: list = []
+
+    def flush():
+        emit(("flush",))
+
     try:
         for i, rec in enumerate(snap.records):
             if rec["k"] == "packed" and rec["w"] == pi:
@@ -450,14 +464,14 @@ def copy(snap: Snapshot, emit, budget: ByteBudget | None = None, pool: HostPool 
                 else:
                     arr = np.asarray(x) if _on_cpu(x) else np.array(x, copy=True)
                 if budget:
-                    budget.acquire(arr.nbytes)
+                    budget.acquire(arr.nbytes, flush)
                 emit(("packed", i, arr))
         by_leaf: dict = {}
         for i, b, devs, nbytes in snap._boxes:
             by_leaf.setdefault(i, []).append((b, devs, nbytes))
         for i, boxes in by_leaf.items():
             x = sources[i]
-            whole = _whole_copy(x, boxes, budget)
+            whole = _whole_copy(x, boxes, budget, flush)
             for b, devs, nbytes in boxes:
                 if whole is not None:
                     emit(("array", ArrayWrite(i, b, whole.pop(b), nbytes)))
@@ -475,7 +489,7 @@ def copy(snap: Snapshot, emit, budget: ByteBudget | None = None, pool: HostPool 
                     pending.append((fut, ArrayWrite(i, b, None, nbytes)))
                     continue
                 if budget:
-                    budget.acquire(nbytes)
+                    budget.acquire(nbytes, flush)
                 if view is not None and eager:
                     data = eager(view)
                 elif view is not None:   # a CPU jax view keeps its value (see `_on_cpu`); numpy is mutable

@@ -454,6 +454,9 @@ def _consume(store, staging, snap, items, arrays, budget, workers):
                 break
             if item[0] == "abort":
                 raise CheckpointSaveError(f"the snapshot failed: {item[1]}") from item[1]
+            if item[0] == "flush":   # the snapshot waits for the budget: give the blob's bytes back
+                flush()
+                continue
             if item[0] == "written":   # by `WriteThrough`, during the snapshot
                 _, w, done = item
                 rels = done.result()   # a failed write (disk full) fails the save here
