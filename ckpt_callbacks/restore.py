@@ -193,7 +193,7 @@ class leaf_reader:
     def read_box(self, rec: dict, box, writable: bool = True) -> np.ndarray:
         if rec["k"] == "packed":
             full = self.packed(rec, writable)
-            return full[tuple(slice(a, b) for a, b in box)]
+            return full[tuple(slice(a, b) for a, b in box) or ...]   # `...`: a 0-d array stays an array
         return self.read_boxes(rec, [box])[0]
 
     def read_boxes(self, rec: dict, boxes: list) -> list:
@@ -391,7 +391,7 @@ def _restore_leaf(reader: leaf_reader, rec: dict, t):
     full = tuple((0, d) for d in rec["sh"])
     if kind in ("host", "numpy") or (kind == "jax" and getattr(t, "sharding", None) is None):
         data = reader.read_box(rec, full)
-        value = _host_value(rec, data) if kind != "numpy" else data
+        value = _host_value(rec, data) if kind != "numpy" else data[()] if isinstance(t, np.generic) else data
         return jax.device_put(value) if kind == "jax" and not rec.get("prng") else value
     sharding = t.sharding
     if rec.get("prng"):

@@ -274,6 +274,17 @@ def test_a_saved_python_number_fills_a_0d_array_target_that_holds_it_exactly(ckd
         assert f"['{key}']: checkpoint has {has}, target expects {expects}" in str(e.value), (key, leaf)
 
 
+def test_a_0d_array_comes_back_an_array_and_a_numpy_scalar_a_scalar(ckdir):
+    save(ckdir, {"count": np.array(5, np.int64), "j": jnp.float32(1.5), "s": np.float32(2.5)})
+    m = cc.CheckpointManager(ckdir, read_only=True)
+    for target in (None, {"count": np.zeros((), np.int64), "j": np.zeros((), np.float32), "s": np.float32(0)}):
+        out = m.restore(target=target)
+        assert type(out["count"]) is np.ndarray and out["count"].shape == () and out["count"] == 5
+        out["count"][...] = 6   # writable, like the array that was saved
+        assert type(out["j"]) is np.ndarray and out["j"].dtype == np.float32 and out["j"] == 1.5
+        assert type(out["s"]) is np.float32 and out["s"] == 2.5
+
+
 def test_missing_checkpoint_and_unknown_version(ckdir, tmp_path):
     with pytest.raises(FileNotFoundError):
         cc.CheckpointManager(str(tmp_path / "nothing"), read_only=True).restore()
