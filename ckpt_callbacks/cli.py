@@ -30,6 +30,22 @@ import time
 __all__ = ["main", "build_parser"]
 
 
+def _strict(x):
+    """`x` with non-finite floats as the strings "NaN", "Infinity", "-Infinity" (JSON has no such
+    numbers; a NaN metric is a legitimate one: the worst)."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return "NaN" if math.isnan(x) else "Infinity" if x > 0 else "-Infinity"
+    if isinstance(x, dict):
+        return {k: _strict(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_strict(v) for v in x]
+    return x
+
+
+def _json(obj, out) -> None:
+    json.dump(_strict(obj), out, indent=1, allow_nan=False)
+
+
 def _human(n) -> str:
     if n is None:
         return "-"
@@ -125,8 +141,8 @@ def cmd_ls(args, store, out) -> int:
                      "best": s == best, "error": None if ok else str(m)})
     partial = [{"name": n, "status": "partial"} for n in store.leftovers()]
     if args.json:
-        json.dump({"directory": store.url, "steps": rows, "partial": partial,
-                   "best": {"step": best, **spec, "source": src} if spec else None}, out, indent=1)
+        _json({"directory": store.url, "steps": rows, "partial": partial,
+               "best": {"step": best, **spec, "source": src} if spec else None}, out)
         out.write("\n")
         return 0
     head = f"{store.url}: {len(steps)} committed, {len(partial)} partial"
@@ -188,8 +204,8 @@ def cmd_inspect(args, store, out) -> int:
     if args.json:
         leaves = [{"path": treepath.keystr(tuple(map(tuple, r["p"]))), "kind": r["k"], "dtype": r.get("dt"),
                    "shape": r.get("sh"), "sharding": r.get("sd"), "bytes": _leaf_text(r)[1]} for r in recs]
-        json.dump({"step": step, "time": m.get("time"), "bytes": m.get("bytes"), "metrics": m.get("metrics"),
-                   "process_count": m.get("process_count"), "leaves": leaves}, out, indent=1)
+        _json({"step": step, "time": m.get("time"), "bytes": m.get("bytes"), "metrics": m.get("metrics"),
+               "process_count": m.get("process_count"), "leaves": leaves}, out)
         out.write("\n")
         return 0
     when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(m.get("time", 0)))

@@ -171,6 +171,31 @@ def test_verify_catches_a_missing_chunk(ckpt, tmp_path):
     assert rc == 1 and "step 40: DAMAGED" in out and "['params']['w']" in out
 
 
+def test_json_output_is_strict_json_with_nan_and_infinite_metrics(tmp_path):
+    d = str(tmp_path / "run")
+    with cc.CheckpointManager(d, async_save=False) as m:
+        m.save(1, {"a": np.ones(3)}, metrics={"loss": float("nan"), "lo": float("-inf"), "ok": 0.5})
+
+    def strict(text):
+        return json.loads(text, parse_constant=lambda c: pytest.fail(f"not JSON: {c}"))
+
+    rc, out, _ = run("ls", d, "--json")
+    assert rc == 0 and strict(out)["steps"][0]["metrics"] == {"loss": "NaN", "lo": "-Infinity", "ok": 0.5}
+    rc, out, _ = run("inspect", d, "--json")
+    assert rc == 0 and strict(out)["metrics"]["loss"] == "NaN"
+
+
+def test_verify_catches_bytes_appended_to_a_chunk_as_restore_does(ckpt, tmp_path):
+    d = str(tmp_path / "run")
+    shutil.copytree(ckpt, d)
+    with open(_chunk_files(os.path.join(d, "step_0000000040"))[2], "ab") as f:
+        f.write(b"\0" * 4)   # tensorstore's own reads take such a file
+    rc, out, _ = run("verify", d, "--quiet")
+    assert rc == 1 and "step 40: DAMAGED" in out and "expected" in out
+    with pytest.raises(cc.CorruptCheckpointError, match="bytes, expected"):
+        cc.CheckpointManager(d, read_only=True).restore(40)
+
+
 def test_an_outage_is_never_reported_as_damage_by_ls_or_verify(ckpt, monkeypatch):
     from ckpt_callbacks import restore as restore_mod
     real_array, real_manifest = restore_mod.leaf_reader.array, restore_mod.read_manifest
