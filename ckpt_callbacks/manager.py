@@ -410,6 +410,8 @@ class CheckpointManager:
                 try:
                     tree = restore_mod.restore(self.store, s, target)
                 except CheckpointNotFoundError as e:   # committed, so a missing manifest is damage
+                    if getattr(e, "deleted", False):   # unless the step went while it was read
+                        raise
                     raise CorruptCheckpointError(f"step {s} is committed but unreadable: {e}") from None
             except CorruptCheckpointError as e:
                 if not fallback:

@@ -310,10 +310,39 @@ def _check(rec: dict, t, where: str) -> tuple | None:
     return None
 
 
-def restore(store: Store, step: int, target=None, *, manifest: dict | None = None):
+def restore(store: Store, step: int, target=None):
     """Restore step `step`; see the module docstring. Raises IncompatibleCheckpointError listing every
-    mismatched key path, CorruptCheckpointError naming the damaged leaf."""
-    m = manifest or read_manifest(store, step)
+    mismatched key path, CorruptCheckpointError naming the damaged leaf, CheckpointNotFoundError
+    when the step is deleted (or replaced) while it is being read.
+
+    A writer's retention may delete the step meanwhile (another process training on, or this
+    one's save in flight), and in a local directory the next save then writes over its chunk
+    files in place, checksums and all: a reader holding them open would get the new step's bytes.
+    So the step's files are identified (`Store.step_token`) before and after reading, and a
+    restore whose step changed under it raises instead of returning what it read."""
+    token = store.step_token(step)
+    try:
+        out = _restore(store, step, target)
+    except (CorruptCheckpointError, CheckpointNotFoundError) as e:
+        if token is not None and store.step_token(step) != token or step not in store.committed_steps():
+            raise _deleted(store, step) from e   # its files went: not damage
+        raise
+    if token is not None and store.step_token(step) != token:
+        raise _deleted(store, step)
+    return out
+
+
+def _deleted(store: Store, step: int) -> CheckpointNotFoundError:
+    e = CheckpointNotFoundError(
+        f"step {step} in {store.url} was deleted or replaced while it was being restored (by the retention "
+        f"of a save running meanwhile); nothing was returned. Fix: restore a step that retention keeps "
+        f"(e.g. the latest), or restore after the writer's wait_until_finished()")
+    e.deleted = True   # `CheckpointManager.restore`: not a committed step's missing manifest
+    return e
+
+
+def _restore(store: Store, step: int, target):
+    m = read_manifest(store, step)
     recs = m["leaves"]
     reader = leaf_reader(store, step, m)
     if target is None:

@@ -99,6 +99,12 @@ class Store:
         `claim` by the next save instead (LocalStore); `drop_reusable` deletes what is left."""
         raise NotImplementedError
 
+    def step_token(self, step: int):
+        """What identifies the committed files of `step` now, where a later save may write over a
+        deleted step's files in place (None elsewhere: there a deleted step's objects just go).
+        A restore compares it before and after reading (`restore.restore`)."""
+        return None
+
     def claim(self, nbytes: int, path: str | None = None) -> str | None:
         """The absolute path of a kept chunk file of exactly `nbytes`, now the caller's, or None;
         `path` itself when it is such a file (in a staging directory that `begin` reused)."""
@@ -523,6 +529,16 @@ class LocalStore(Store):
             self._stamps[hidden] = stamps
             for size, path in found:
                 self._pool.setdefault(size, []).append(path)
+
+    def step_token(self, step: int):
+        # the step directory and its manifest (a re-save of the step writes a new one, also into
+        # a reused directory); None when the step is not there
+        d = self.path(fmt.step_name(step))
+        try:
+            a, m = os.stat(d), os.stat(os.path.join(d, fmt.MANIFEST))
+        except OSError:
+            return None
+        return a.st_dev, a.st_ino, m.st_ino, m.st_mtime_ns, m.st_size
 
     def claim(self, nbytes: int, path: str | None = None) -> str | None:
         with self._pool_lock:

@@ -285,6 +285,45 @@ def test_a_0d_array_comes_back_an_array_and_a_numpy_scalar_a_scalar(ckdir):
         assert type(out["s"]) is np.float32 and out["s"] == 2.5
 
 
+def test_a_step_deleted_and_written_over_while_it_is_read_is_never_returned(ckdir, monkeypatch):
+    """A reader restores step 1 while a trainer with KeepLast(1) saves on: retention deletes step
+    1 and the next save writes over its chunk files in place (checksums and all), under the
+    reader's open file. The restore raises CheckpointNotFoundError instead of returning step 3."""
+    import threading
+    shape = (1024, 1024)   # 4 MiB: a zarr array leaf, read by chunkread
+    trainer = cc.CheckpointManager(ckdir, retention=cc.KeepLast(1))
+    trainer.save(1, {"w": np.full(shape, 1.0, np.float32)})
+    trainer.wait_until_finished()
+    opened, go, result = threading.Event(), threading.Event(), {}
+    real_open = chunkread._open
+
+    def held_open(path, nbytes, where):   # the reader is preempted right after opening a chunk
+        fd = real_open(path, nbytes, where)
+        opened.set()
+        go.wait(60)
+        return fd
+
+    def read():
+        try:
+            result["value"] = cc.CheckpointManager(ckdir, read_only=True).restore(1)["w"]
+        except Exception as e:  # noqa: BLE001
+            result["error"] = e
+
+    monkeypatch.setattr(chunkread, "_open", held_open)
+    reader = threading.Thread(target=read)
+    reader.start()
+    assert opened.wait(60)
+    for step in (2, 3, 4):
+        trainer.save(step, {"w": np.full(shape, float(step), np.float32)})
+    trainer.wait_until_finished()
+    go.set()
+    reader.join(60)
+    trainer.close()
+    assert "value" not in result, f"restored {np.unique(result['value'])} for step 1"
+    assert isinstance(result["error"], cc.CheckpointNotFoundError), result["error"]
+    assert "step 1" in str(result["error"]) and "deleted or replaced while it was being restored" in str(result["error"])
+
+
 def test_missing_checkpoint_and_unknown_version(ckdir, tmp_path):
     with pytest.raises(FileNotFoundError):
         cc.CheckpointManager(str(tmp_path / "nothing"), read_only=True).restore()
