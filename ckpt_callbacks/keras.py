@@ -376,11 +376,21 @@ class AsyncCheckpoint(keras.callbacks.Callback):
             return
         steps = (self.params or {}).get("steps")
         n = int(self.data.dataset.num_batches)
-        if steps is not None and int(steps) not in (n, self.data.num_batches):
+        if steps is None or int(steps) == n:
+            return
+        if self.data.skip and int(steps) == self.data.num_batches:
+            # Keras read the length before any callback ran, while the wrapper still stood inside
+            # the resumed epoch of an earlier fit() that raised: every epoch would be that short
+            self.data.set_position(self.data.epoch, 0)
             raise ConfigError(
-                f"AsyncCheckpoint: fit() runs {steps} steps per epoch, but the ResumableDataset holds {n} "
-                f"batches: its epochs must be whole passes for a resume to continue at the right batch. "
-                f"Fix: drop steps_per_epoch (or set it to {n}), or make the dataset's length the epoch.")
+                f"AsyncCheckpoint: the ResumableDataset was still positioned inside an epoch (after batch "
+                f"{n - int(steps)}) of an earlier fit() that raised when this fit() read its length, so every "
+                f"epoch would run {steps} of its {n} batches; nothing was trained. Its position is reset now: "
+                f"call fit() again.")
+        raise ConfigError(
+            f"AsyncCheckpoint: fit() runs {steps} steps per epoch, but the ResumableDataset holds {n} "
+            f"batches: its epochs must be whole passes for a resume to continue at the right batch. "
+            f"Fix: drop steps_per_epoch (or set it to {n}), or make the dataset's length the epoch.")
 
     def _restore(self, step: int) -> None:
         model = self.model
@@ -480,7 +490,13 @@ class AsyncCheckpoint(keras.callbacks.Callback):
 
     def on_train_batch_begin(self, batch, logs=None):
         # `batch` is the first step of this call: every step before it has run
-        self._advance(self._skip + int(batch))
+        done = self._skip + int(batch)
+        if self._epoch_end is not None and done >= self._epoch_end:
+            # Keras counts a resumed epoch's calls from the full epoch's length: this call finds
+            # no data left (nothing runs), and the epoch-end save follows
+            self._advance(self._epoch_end)
+            return
+        self._advance(done)
         if self.save_freq != "epoch" and self._since_save >= self.save_freq:
             self._since_save = 0
             self._save(self._epoch, self._batch, metrics=None)
@@ -526,6 +542,8 @@ class AsyncCheckpoint(keras.callbacks.Callback):
 
     def on_train_end(self, logs=None):
         self._exit_warn_ctx()
+        if isinstance(self.data, ResumableDataset) and self.data.skip:   # stopped inside a resumed epoch
+            self.data.set_position(self.data.epoch, 0)                    # (stop_training): whole next time
         self._yields_mark = self._yields
         last = self._data_saved if self._state_iterator() else None
         claim = last[0] if last is not None and _same(last[1], _state_of(self.data)) else None

@@ -16,15 +16,16 @@ Who calls what: the user wraps the dataset once and hands the same object to `fi
 runs is "the epoch's batch order, minus its first `skip` batches". `skip` is non-zero only for the
 epoch a resumed run continues in the middle of; in every other epoch the wrapper is transparent
 (apart from its own seeded shuffle). Without the callback the wrapper counts complete passes itself
-(from 0 per wrapper object; not with ``use_multiprocessing=True``, whose fetches happen in other
-processes), so a run with and one without checkpointing see the same batches.
+(from 0 per wrapper object), so a run with and one without checkpointing see the same batches.
 
 Worker threads: Keras' own prefetching (`workers` > 1) carries batches it fetched ahead over epoch
 boundaries (it stops its queue at each epoch's end and serves what was left at the start of the
 next epoch), so no batch position could be resumed. The wrapper therefore tells Keras
 ``workers=1`` and runs the dataset's `workers` threads itself, fetching up to `max_queue_size`
-batches ahead within the epoch's order only. ``use_multiprocessing=True`` is refused (worker
-processes would never see `set_position`).
+batches ahead within the epoch's order only, while Keras asks for them in order (``fit(shuffle=
+False)``); the threads are stopped, their fetches finished or cancelled, before the dataset's own
+`on_epoch_begin`/`on_epoch_end` run. ``use_multiprocessing=True`` is refused (worker processes
+would never see `set_position`).
 
 Why a wrapper: Keras fixes the batches of an epoch when it builds the epoch's iterator and offers
 no hook to start it at batch k. Its own ``fit(shuffle=True)`` draws a fresh order from Python's
@@ -37,6 +38,8 @@ warns that the input "ran out of data"; `AsyncCheckpoint` silences that one warn
 from __future__ import annotations
 
 import concurrent.futures
+import logging
+import weakref
 
 import keras
 import numpy as np
@@ -44,6 +47,8 @@ import numpy as np
 from .errors import ConfigError
 
 __all__ = ["ResumableDataset"]
+
+log = logging.getLogger("ckpt_callbacks")
 
 
 class ResumableDataset(keras.utils.PyDataset):
@@ -81,6 +86,8 @@ class ResumableDataset(keras.utils.PyDataset):
         self._pool = None
         self._pending: dict = {}    # index -> future of that batch, for the order of `_pending_for`
         self._pending_for = None
+        self._next = 0              # the index Keras asks for next when it reads in order
+        self._warned_order = False
 
     def batch_order(self, epoch: int) -> np.ndarray:
         """The indices into `dataset` that epoch `epoch` visits, in order (before skipping)."""
@@ -125,26 +132,43 @@ class ResumableDataset(keras.utils.PyDataset):
         after peeking at the first batch); fetches for another position or epoch are dropped."""
         at = (self.epoch, self.skip, id(order))
         if at != self._pending_for:
-            self._drop()
+            self._stop()
             self._pending_for = at
         if self._pool is None:
             self._pool = concurrent.futures.ThreadPoolExecutor(self._threads, thread_name_prefix="ResumableDataset")
+            # a wrapper dropped mid-epoch (fit() raised) does not keep its threads waiting
+            self._finalizer = weakref.finalize(self, self._pool.shutdown, wait=False, cancel_futures=True)
+        in_order = index in (0, self._next)
+        self._next = index + 1
+        if not in_order and not self._warned_order:
+            self._warned_order = True
+            log.warning("ckpt_callbacks: ResumableDataset: Keras asks for batches out of order (fit(shuffle=True)?), "
+                        "so they are not fetched ahead, and a resumed epoch would not continue exactly; pass "
+                        "shuffle=False to fit() and shuffle_seed= to the wrapper")
         for j in [j for j in self._pending if j < index]:   # behind us: never asked for again
             self._pending.pop(j).cancel()
         future = self._pending.pop(index, None)
         if future is None:
             future = self._pool.submit(self.dataset.__getitem__, int(order[self.skip + index]))
-        for j in range(index + 1, min(index + 1 + self._ahead, self.num_batches)):
+        ahead = range(index + 1, min(index + 1 + self._ahead, self.num_batches)) if in_order else ()
+        for j in ahead:
             if j not in self._pending:
                 self._pending[j] = self._pool.submit(self.dataset.__getitem__, int(order[self.skip + j]))
         return future.result()
 
-    def _drop(self) -> None:
+    def _stop(self) -> None:
+        """Cancel the fetches not started, and wait for those running (the dataset's own epoch
+        hooks must not run alongside them)."""
         for f in self._pending.values():
             f.cancel()
-        self._pending = {}
+        self._pending, self._pending_for, self._next = {}, None, 0
+        if self._pool is not None:
+            pool, self._pool = self._pool, None
+            self._finalizer.detach()
+            pool.shutdown(wait=True, cancel_futures=True)
 
     def on_epoch_begin(self):
+        self._stop()
         self._fetched = 0
         self.dataset.on_epoch_begin()
 
@@ -152,6 +176,7 @@ class ResumableDataset(keras.utils.PyDataset):
         # Without the callback, the wrapper advances to the next epoch's order by itself after a
         # complete pass. Keras also begins/ends an "epoch" to peek at one batch before training
         # (and ends one at start-up), which must not count.
+        self._stop()
         if getattr(self, "_fetched", 0) >= self.num_batches:
             self.epoch, self.skip, self._order = self.epoch + 1, 0, None
         self._fetched = 0

@@ -392,7 +392,21 @@ class CheckpointManager:
         process); `restored_step` says which step was read. Storage that cannot be reached or
         refuses access raises `StorageUnavailableError` (on every process, when several move
         together) and is never a reason to fall back: it says nothing about the step.
+
+        A step deleted while it is read (a writer elsewhere saving on with `KeepLast`, say) raises
+        `CheckpointNotFoundError`; with ``step=None`` in one process the steps are listed again
+        and the new latest is read instead (a few times at most).
         """
+        alone = self.coord.process_count == 1 or self.read_only
+        for attempt in range(3):
+            try:
+                return self._restore(step, target, fallback)
+            except CheckpointNotFoundError as e:
+                if step is not None or not alone or not getattr(e, "deleted", False) or attempt == 2:
+                    raise
+                log.warning("ckpt_callbacks: %s; restoring the latest step again", e)
+
+    def _restore(self, step, target, fallback: bool):
         multi = self.coord.process_count > 1 and not self.read_only
         if step is not None:
             candidates, fallback = [self._resolve(step)], False
@@ -412,6 +426,8 @@ class CheckpointManager:
                 except CheckpointNotFoundError as e:   # committed, so a missing manifest is damage
                     if getattr(e, "deleted", False):   # unless the step went while it was read
                         raise
+                    if s not in self.store.committed_steps():   # (between listing and reading)
+                        raise restore_mod.deleted_error(self.store, s) from e
                     raise CorruptCheckpointError(f"step {s} is committed but unreadable: {e}") from None
             except CorruptCheckpointError as e:
                 if not fallback:

@@ -260,7 +260,7 @@ def _fits_0d(v, t) -> bool:
     """Whether a saved Python number may fill a 0-d array target `t` (an abstract train state from
     `jax.eval_shape`, say, of a state saved with a Python step counter): bool into bool, an int
     into an integer dtype that holds it or a float dtype that holds it exactly, a float into a
-    real float dtype."""
+    real float dtype whose range holds it (rounded to the dtype's precision, never to inf or 0)."""
     if list(getattr(t, "shape", [None])) != [] or isinstance(v, (str, bytes)) or treepath.is_prng_key(t):
         return False
     dt = np.dtype(t.dtype)
@@ -276,7 +276,11 @@ def _fits_0d(v, t) -> bool:
                 return floating and int(np.asarray(v, dt).astype(np.float64)) == v
         except (OverflowError, ValueError):   # beyond float64, or inf in the target dtype
             return False
-    return isinstance(v, float) and floating
+    if not (isinstance(v, float) and floating):
+        return False
+    with np.errstate(all="ignore"):   # rounded to the dtype, as jnp.asarray would, but never
+        r = float(np.asarray(v, dt).astype(np.float64))   # to inf or 0 from a finite, non-zero value
+    return math.isnan(v) or (math.isinf(r) == math.isinf(v) and (r == 0) == (v == 0))
 
 
 def _check(rec: dict, t, where: str) -> tuple | None:
@@ -321,28 +325,28 @@ def restore(store: Store, step: int, target=None):
     So the step's files are identified (`Store.step_token`) before and after reading, and a
     restore whose step changed under it raises instead of returning what it read."""
     token = store.step_token(step)
+    m = read_manifest(store, step)   # a step that is not there raises here, as it is
     try:
-        out = _restore(store, step, target)
+        out = _restore(store, step, target, m)
     except (CorruptCheckpointError, CheckpointNotFoundError) as e:
         if token is not None and store.step_token(step) != token or step not in store.committed_steps():
-            raise _deleted(store, step) from e   # its files went: not damage
+            raise deleted_error(store, step) from e   # its files went: not damage
         raise
     if token is not None and store.step_token(step) != token:
-        raise _deleted(store, step)
+        raise deleted_error(store, step)
     return out
 
 
-def _deleted(store: Store, step: int) -> CheckpointNotFoundError:
+def deleted_error(store: Store, step: int) -> CheckpointNotFoundError:
     e = CheckpointNotFoundError(
-        f"step {step} in {store.url} was deleted or replaced while it was being restored (by the retention "
-        f"of a save running meanwhile); nothing was returned. Fix: restore a step that retention keeps "
-        f"(e.g. the latest), or restore after the writer's wait_until_finished()")
+        f"step {step} in {store.url} was deleted or replaced while it was being restored (by a writer's "
+        f"retention, or a forced save of that step); nothing was returned. Fix: restore a step that "
+        f"retention keeps, or restore after the writer's wait_until_finished()")
     e.deleted = True   # `CheckpointManager.restore`: not a committed step's missing manifest
     return e
 
 
-def _restore(store: Store, step: int, target):
-    m = read_manifest(store, step)
+def _restore(store: Store, step: int, target, m: dict):
     recs = m["leaves"]
     reader = leaf_reader(store, step, m)
     if target is None:
@@ -420,7 +424,12 @@ def _restore_leaf(reader: leaf_reader, rec: dict, t):
     full = tuple((0, d) for d in rec["sh"])
     if kind in ("host", "numpy") or (kind == "jax" and getattr(t, "sharding", None) is None):
         data = reader.read_box(rec, full)
-        value = _host_value(rec, data) if kind != "numpy" else data[()] if isinstance(t, np.generic) else data
+        if kind == "numpy":
+            value = data[()] if isinstance(t, np.generic) else data
+        else:
+            value = _host_value(rec, data)
+            if t is not None and kind == "host" and isinstance(value, np.ndarray) and value.shape == ():
+                value = value[()]   # a Python number's place: a numpy scalar, hashable, immutable
         return jax.device_put(value) if kind == "jax" and not rec.get("prng") else value
     sharding = t.sharding
     if rec.get("prng"):

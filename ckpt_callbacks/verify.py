@@ -97,10 +97,14 @@ def verify_step(store, step: int, progress=None, window: int = 16) -> list[tuple
                 continue
             arr = reader.array(rec)
             if store.local and chunkread.direct(arr):   # the very reads (and checks) of a restore
+                root = store.path(f"{reader.base}/{rec['z']}")
+                dtype = fmt.storage_dtype(rec["dt"])
                 for idx, sl in _chunks(rec["sh"], rec["ch"]):
-                    reader.read_boxes(rec, [tuple((x.start, x.stop) for x in sl)])
+                    box = tuple((x.start, x.stop) for x in sl)
+                    out = chunkread.aligned_empty(tuple(b - a for a, b in box), dtype)
+                    chunkread.read_boxes(root, rec, [box], [out], where, mapped=store.in_memory)
                     if progress:
-                        progress.add(math.prod(x.stop - x.start for x in sl) * itemsize, where)
+                        progress.add(out.size * itemsize, where)
                 continue
             pending = []
             for idx, sl in _chunks(rec["sh"], rec["ch"]):

@@ -325,6 +325,48 @@ def test_a_resumable_dataset_epoch_must_be_one_pass(ckdir):
     assert cc.CheckpointManager(ckdir, read_only=True).all_steps() == []
 
 
+class _Crash(Exception):
+    pass
+
+
+@pytest.mark.parametrize("spe, save_freq, crash_at", [(1, 5, 7), (3, 6, 9)])
+def test_a_resumed_epoch_ends_with_its_epoch_end_save(ckdir, spe, save_freq, crash_at):
+    """Resumed after a mid-epoch save, the epoch is shortened, but Keras counts its calls from the
+    full length: the call that finds no data left must not count or save (it took the epoch-end
+    save's step, without metrics; with steps_per_execution it saved a batch beyond the epoch)."""
+    ds = ResumableDataset(_Indexed(n=10), shuffle_seed=0)
+    model, _ = _tapped_model()
+    model.compile(optimizer="sgd", loss="mse", steps_per_execution=spe)
+    cb = AsyncCheckpoint(ckdir, save_freq=save_freq, data=ds)
+
+    class Crash(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            if batch == crash_at:
+                raise _Crash()
+
+    with pytest.raises(_Crash):
+        model.fit(ds, epochs=1, shuffle=False, verbose=0, callbacks=[cb, Crash()])
+    cb.wait_until_finished()
+    assert cb.manager.all_steps() == [save_freq]
+    model.fit(ds, epochs=2, shuffle=False, verbose=0, callbacks=[cb])   # resumes after batch save_freq
+    assert cb.resumed_step == save_freq and int(model.optimizer.iterations) == 20
+    mngr = cc.CheckpointManager(ckdir, read_only=True)
+    ends = [s for s in mngr.all_steps() if int(mngr.restore(s)["progress"]["batch"]) == 0]
+    assert ends == [10, 20] and all("loss" in mngr.metrics(s) for s in ends)
+    assert int(mngr.restore(20)["progress"]["global_step"]) == 20
+
+
+def test_a_wrapper_left_inside_a_resumed_epoch_is_reset_not_trained_short(ckdir):
+    ds = ResumableDataset(_Indexed(n=10), shuffle_seed=0)
+    ds.set_position(0, 3)   # as a fit() that raised inside a resumed epoch leaves it
+    model, _ = _tapped_model()
+    cb = AsyncCheckpoint(ckdir, data=ds)
+    with pytest.raises(cc.ConfigError, match="call fit\\(\\) again"):
+        model.fit(ds, epochs=1, shuffle=False, verbose=0, callbacks=[cb])
+    model.fit(ds, epochs=1, shuffle=False, verbose=0, callbacks=[cb])
+    assert int(model.optimizer.iterations) == 10 and cb.manager.all_steps() == [10]
+
+
 def test_steps_count_only_batches_run_when_steps_per_execution_overshoots_the_epoch(ckdir):
     """10 batches per epoch in calls of 3: Keras reports the last call as steps 9-11."""
     x, y, _ = _data(n=160)

@@ -262,7 +262,15 @@ def test_a_saved_python_number_fills_a_0d_array_target_that_holds_it_exactly(ckd
     assert isinstance(out["flag"], np.bool_) and out["flag"]
     assert isinstance(out["big"], np.ndarray) and out["big"].dtype == np.int64 and out["big"] == 2 ** 40
     assert out["neg"].dtype == jnp.float32 and float(out["neg"]) == -3.0
-    # never rounded, wrapped or reinterpreted: the value must fit the target's dtype as it is
+    # a float is rounded to the dtype's precision, as jnp.asarray would, but never to inf or 0
+    save(ckdir, {"lr": 0.1, "tiny": 1e-9, "huge": 1e6}, step=2)
+    out = m.restore(2, target={"lr": np.zeros((), jnp.bfloat16), "tiny": np.zeros((), np.float32),
+                               "huge": np.zeros((), np.float32)})
+    assert float(out["lr"]) == float(jnp.bfloat16(0.1)) and out["tiny"] == np.float32(1e-9) and out["huge"] == 1e6
+    for key in ("tiny", "huge"):
+        with pytest.raises(cc.IncompatibleCheckpointError, match=f"checkpoint has float value, target expects float16"):
+            m.restore(2, target={"lr": 0.0, "tiny": 0.0, "huge": 0.0, key: np.zeros((), np.float16)})
+    # ints are never rounded, wrapped or reinterpreted: the value must fit the target's dtype as it is
     for key, leaf, has, expects in [("big", np.zeros((), np.int32), "int value", "int32[]"),
                                     ("big", jnp.float16(0), "int value", "float16[]"),
                                     ("neg", np.zeros((), np.uint8), "int value", "uint8[]"),
@@ -270,7 +278,7 @@ def test_a_saved_python_number_fills_a_0d_array_target_that_holds_it_exactly(ckd
                                     ("flag", np.zeros((), np.int32), "bool value", "int32[]"),
                                     ("step", np.zeros((1,), np.int32), "int value", "int32[1]")]:
         with pytest.raises(cc.IncompatibleCheckpointError) as e:
-            m.restore(target={**target, key: leaf})
+            m.restore(1, target={**target, key: leaf})
         assert f"['{key}']: checkpoint has {has}, target expects {expects}" in str(e.value), (key, leaf)
 
 
@@ -283,6 +291,9 @@ def test_a_0d_array_comes_back_an_array_and_a_numpy_scalar_a_scalar(ckdir):
         out["count"][...] = 6   # writable, like the array that was saved
         assert type(out["j"]) is np.ndarray and out["j"].dtype == np.float32 and out["j"] == 1.5
         assert type(out["s"]) is np.float32 and out["s"] == 2.5
+    out = m.restore(target={"count": 0, "j": 0.0, "s": 0.0})   # Python numbers: scalars, hashable
+    assert {k: (type(v), v) for k, v in out.items()} == {
+        "count": (np.int64, 5), "j": (np.float32, 1.5), "s": (np.float32, 2.5)}
 
 
 def test_a_step_deleted_and_written_over_while_it_is_read_is_never_returned(ckdir, monkeypatch):
@@ -322,6 +333,37 @@ def test_a_step_deleted_and_written_over_while_it_is_read_is_never_returned(ckdi
     assert "value" not in result, f"restored {np.unique(result['value'])} for step 1"
     assert isinstance(result["error"], cc.CheckpointNotFoundError), result["error"]
     assert "step 1" in str(result["error"]) and "deleted or replaced while it was being restored" in str(result["error"])
+
+
+def test_a_step_that_never_was_is_not_said_to_be_deleted(ckdir):
+    save(ckdir, {"a": np.ones(3)})
+    with pytest.raises(cc.CheckpointNotFoundError) as e:
+        restore_mod.restore(open_store(ckdir), 99)
+    assert not getattr(e.value, "deleted", False) and "deleted" not in str(e.value)
+
+
+def test_a_latest_step_deleted_while_read_is_followed_by_the_new_latest(ckdir, monkeypatch, caplog):
+    """A read-only evaluator restoring the latest step while a trainer saves on with KeepLast:
+    the step it listed goes meanwhile; it lists again and reads the new latest."""
+    save(ckdir, {"a": np.ones(3)}, step=1)
+    save(ckdir, {"a": np.full(3, 2.0)}, step=2)
+    real, calls = restore_mod.restore, []
+
+    def racing(store, step, target=None):
+        calls.append(step)
+        if len(calls) == 1:
+            raise restore_mod.deleted_error(store, step)
+        return real(store, step, target)
+
+    monkeypatch.setattr(restore_mod, "restore", racing)
+    m = cc.CheckpointManager(ckdir, read_only=True)
+    with caplog.at_level("WARNING", logger="ckpt_callbacks"):
+        out = m.restore()
+    assert calls == [2, 2] and m.restored_step == 2 and out["a"][0] == 2.0
+    assert "restoring the latest step again" in caplog.text
+    with pytest.raises(cc.CheckpointNotFoundError, match="deleted or replaced"):   # an explicit step: raised
+        calls.clear()
+        m.restore(1)
 
 
 def test_missing_checkpoint_and_unknown_version(ckdir, tmp_path):
