@@ -74,8 +74,11 @@ def _parse_best(text: str, with_n: bool):
 
 
 def _steps_list(text: str) -> list[int]:
+    parts = text.split(",")
     try:
-        return [int(s) for s in text.replace(",", " ").split()]
+        if not all(p.strip() for p in parts):   # "1,,2", "1,": a typo, not two steps
+            raise ValueError(text)
+        return [int(x) for p in parts for x in p.split()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected steps like 100,200, got {text!r}") from None
 
@@ -274,6 +277,7 @@ def cmd_verify(args, store, out) -> int:
 # -- gc --------------------------------------------------------------------------------------
 def cmd_gc(args, store, out) -> int:
     from . import lock
+    from .errors import ConfigError
     from .retention import StepInfo, decide, retention_from_config
     config = {"keep_last": args.keep_last, "keep_every": args.keep_every, "keep_best": args.keep_best,
               "keep_steps": args.keep_steps, "keep_every_n_seconds": args.keep_every_n_seconds}
@@ -282,7 +286,11 @@ def cmd_gc(args, store, out) -> int:
         out.write("gc: give at least one retention flag (--keep-last, --keep-every, --keep-best, --keep-steps, "
                   "--keep-every-n-seconds); nothing deleted\n")
         return 2
-    policies = retention_from_config(config, "gc")
+    try:
+        policies = retention_from_config(config, "gc")
+    except ConfigError as e:   # a bad flag value: bad usage, as argparse's own refusals
+        sys.stderr.write(f"ckpt-callbacks gc: {e}\n")
+        return 2
     locked = False
     if store.local and not args.dry_run:
         lock.acquire(store.root)   # CheckpointLockedError while a live trainer writes here

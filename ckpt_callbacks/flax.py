@@ -50,10 +50,13 @@ any process was signalled or any `every_secs` timer expired, so all save the sam
 from __future__ import annotations
 
 import logging
+import math
 import operator
 import signal
 import sys
 import time
+
+import numpy as np
 
 from .errors import CheckpointError, ConfigError, IncompatibleCheckpointError
 from .manager import CheckpointManager
@@ -112,11 +115,19 @@ def _as_step(step) -> int:
 
 
 def _positive_or_none(name, v, kind=int):
+    """A positive int (numpy integers too) or finite positive float for `kind=float`, or None."""
     if v is None:
         return None
-    if isinstance(v, bool) or not isinstance(v, (int, float) if kind is float else int) or v <= 0:
-        raise ConfigError(f"{name} must be a positive {kind.__name__} or None, got {v!r}")
-    return v
+    try:
+        if isinstance(v, (bool, np.bool_)):
+            raise TypeError
+        n = operator.index(v) if kind is int else float(v)
+    except (TypeError, ValueError):
+        n = None
+    if n is None or not math.isfinite(n) or n <= 0 or (kind is float and isinstance(v, (str, bytes))):
+        raise ConfigError(f"{name} must be a positive {'int' if kind is int else 'number of seconds'} "
+                          f"or None, got {v!r}")
+    return int(n) if kind is int else n
 
 
 class CheckpointHook:
@@ -160,9 +171,9 @@ class CheckpointHook:
         self.data_iterator = data_iterator
         self.clock = clock
         if isinstance(directory_or_manager, CheckpointManager):
-            if retention is not None:
-                raise ConfigError("retention= is for the manager the hook creates; you passed a "
-                                  "CheckpointManager: give retention to it instead")
+            if retention is not None or async_save is not True:
+                raise ConfigError("retention= and async_save= are for the manager the hook creates; you passed a "
+                                  "CheckpointManager: give them to it instead")
             self.manager, self._owns_manager = directory_or_manager, False
         else:
             self.manager = CheckpointManager(directory_or_manager, retention=retention, async_save=async_save)
@@ -174,11 +185,12 @@ class CheckpointHook:
         self._last_save_time = clock()
         self._pending: dict[int, dict] = {}
         self._calls = 0
+        self._warned_back = False
         self._closed = False
         self._watcher = PreemptionWatcher(preemption_signals) if preemption_signals else None
 
     # -- start ------------------------------------------------------------------------------------
-    def restore_or_init(self, state, data_iterator=None, *, iterator_remap=None):
+    def restore_or_init(self, state, data_iterator=None, *, iterator_remap=None, fallback: bool = False):
         """Return ``(state, start_step)``: the latest committed checkpoint applied to `state`, or
         ``(state, 0)`` when there is none.
 
@@ -190,6 +202,8 @@ class CheckpointHook:
         saved iterator state each process takes: ``{this_process: saved_process}`` or
         ``fn(saved: dict[int, host_state], process_index, process_count) -> host_state`` (see
         `CheckpointManager.host_state`; a host state is ``{"data_iterator": it.get_state()}``).
+        A damaged latest step raises `CorruptCheckpointError`; with ``fallback=True`` the newest
+        intact step is restored instead, with a warning (`CheckpointManager.restore`).
         """
         self._check_open()
         if data_iterator is not None:
@@ -198,7 +212,11 @@ class CheckpointHook:
         if step is None:
             self._last_step, self._last_save_time = 0, self.clock()
             return state, 0
-        restored = self.manager.restore(step, target=state_tree(state))
+        if fallback:
+            restored = self.manager.restore(target=state_tree(state), fallback=True)
+            step = self.manager.restored_step
+        else:
+            restored = self.manager.restore(step, target=state_tree(state))
         if self.data_iterator is not None:
             try:
                 hs = self.manager.host_state(step, remap=iterator_remap)
@@ -265,6 +283,11 @@ class CheckpointHook:
             del self._pending[s]
         if pending:
             metrics = {**pending, **(metrics or {})}
+        if self._last_step is not None and step < self._last_step and not self._warned_back:
+            self._warned_back = True   # e.g. a step counted within the epoch: nothing would be saved
+            log.warning("ckpt_callbacks: CheckpointHook got step %d after step %d: steps must count every training "
+                        "step done since the start of the run; a step already saved is not saved again", step,
+                        self._last_step)
         self._last_step = step
         preempted, timer = self._agree(step)
         due = (timer or step in self.on_steps
@@ -308,7 +331,7 @@ class CheckpointHook:
         if self.coord.process_count > 1 and (self._watcher is not None or self.every_secs is not None):
             self._calls += 1
             mine = bytes([int(preempted), int(timer)])
-            got = self.coord.all_gather(f"hook/{self.manager.store.url}/{self._calls}", mine,
+            got = self.coord.all_gather(f"hook/{self.manager.store.url.lstrip('/')}/{self._calls}", mine,
                                         self.manager.timeout_s)
             preempted = any(g[0] for g in got)
             timer = any(g[1] for g in got)

@@ -431,7 +431,14 @@ class CheckpointManager:
                     raise CorruptCheckpointError(f"step {s} is committed but unreadable: {e}") from None
             except CorruptCheckpointError as e:
                 if not fallback:
-                    raise
+                    if str(e).startswith(f"step {s} "):
+                        raise
+                    # say which step of which run, and the way out
+                    raise CorruptCheckpointError(
+                        f"step {s} in {self.store.url} is damaged: {e}\nFix: restore(fallback=True) (CheckpointHook: "
+                        f"restore_or_init(..., fallback=True)) resumes from the newest intact step; "
+                        f"`ckpt-callbacks verify {self.store.url} --all` lists the damaged steps.",
+                        getattr(e, "key_path", None)) from e
                 error = e
             except Exception as e:   # not damage (e.g. storage unavailable): no fallback, on any process
                 if not together:

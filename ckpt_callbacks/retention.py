@@ -125,8 +125,9 @@ class KeepEveryNSeconds(Policy):
     seconds: float
 
     def __post_init__(self):
-        if not isinstance(self.seconds, (int, float)) or isinstance(self.seconds, bool) or self.seconds <= 0:
-            raise ConfigError(f"keep_every_n_seconds must be a positive number, got {self.seconds!r}")
+        if (not isinstance(self.seconds, (int, float)) or isinstance(self.seconds, bool)
+                or not math.isfinite(self.seconds) or self.seconds <= 0):
+            raise ConfigError(f"keep_every_n_seconds must be a positive, finite number, got {self.seconds!r}")
 
     def keep(self, infos):
         first: dict = {}

@@ -249,7 +249,13 @@ def test_gc_bad_flag_values_are_usage_errors(ckpt):
         run("gc", ckpt, "--keep-best", "val_loss:median:2")
     assert e.value.code == 2
     rc, _, err = run("gc", ckpt, "--keep-last", "0")
-    assert rc == 1 and "keep_last must be a positive int" in err
+    assert rc == 2 and "keep_last must be a positive int" in err
+    rc, _, err = run("gc", ckpt, "--keep-every-n-seconds", "nan")
+    assert rc == 2 and "positive, finite number" in err
+    with pytest.raises(SystemExit) as e:
+        run("gc", ckpt, "--keep-steps", "20,,30")   # a typo, not two steps
+    assert e.value.code == 2
+    assert open_store(ckpt).committed_steps() == [20, 30, 40]
 
 
 def test_timeline_writes_self_contained_html(ckpt, tmp_path):

@@ -382,3 +382,44 @@ def test_save_of_a_step_saved_or_being_saved_is_a_quiet_no_op(ckdir, caplog):
 def test_on_steps_must_be_a_collection_of_steps(ckdir, on_steps):
     with pytest.raises(cc.ConfigError, match="on_steps"):
         CheckpointHook(ckdir, on_steps=on_steps, preemption_signals=())
+
+
+def test_schedule_numbers_are_checked_alike_numpy_or_not(ckdir):
+    hook = CheckpointHook(ckdir, every_steps=np.int64(4), every_secs=np.float32(60), preemption_signals=())
+    assert (hook.every_steps, hook.every_secs) == (4, 60.0) and type(hook.every_steps) is int
+    hook.close()
+    for kw in ({"every_secs": float("nan")}, {"every_secs": float("inf")}, {"every_steps": 2.0},
+               {"every_steps": True}, {"every_secs": "60"}, {"every_steps": 0}):
+        with pytest.raises(cc.ConfigError, match=next(iter(kw))):
+            CheckpointHook(ckdir, preemption_signals=(), **kw)
+    with cc.CheckpointManager(ckdir) as m:
+        with pytest.raises(cc.ConfigError, match="async_save="):
+            CheckpointHook(m, async_save=False, preemption_signals=())
+
+
+def test_a_step_going_backwards_is_warned_about_once(ckdir, caplog):
+    hook = CheckpointHook(ckdir, every_steps=2, preemption_signals=())
+    with caplog.at_level("WARNING", "ckpt_callbacks"):
+        for step in (1, 2, 3, 4, 1, 2, 3):   # a step counted within the epoch
+            hook(step, _tree(step))
+    hook.close()
+    warned = [r.getMessage() for r in caplog.records if "after step" in r.getMessage()]
+    assert len(warned) == 1 and "got step 1 after step 4" in warned[0]
+
+
+def test_restore_or_init_falls_back_past_a_damaged_latest_step_when_asked(ckdir):
+    hook = CheckpointHook(ckdir, every_steps=1, preemption_signals=())
+    for step in (1, 2):
+        hook(step, _tree(step))
+    hook.close()
+    blob = os.path.join(ckdir, "step_0000000002", "blobs", "p0-0.msgpack")
+    data = bytearray(open(blob, "rb").read())
+    data[-3] ^= 0xFF
+    open(blob, "wb").write(bytes(data))
+    hook = CheckpointHook(ckdir, every_steps=1, preemption_signals=())
+    with pytest.raises(cc.CorruptCheckpointError, match=r"step 2 in .* is damaged(.|\n)*fallback=True"):
+        hook.restore_or_init(_tree(0))
+    state, start = hook.restore_or_init(_tree(0), fallback=True)
+    assert start == 1
+    assert_tree_equal(state, _tree(1))
+    hook.close()

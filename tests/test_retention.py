@@ -96,6 +96,8 @@ def test_config_builds_policies():
     ({"keep_best": {"metric": "x", "top": 2}}, "retention.keep_best"),
     ({"keep_steps": 5}, "retention.keep_steps"),
     ({"keep_every_n_seconds": -1}, "retention.keep_every_n_seconds"),
+    ({"keep_every_n_seconds": float("nan")}, "retention.keep_every_n_seconds"),
+    ({"keep_every_n_seconds": float("inf")}, "retention.keep_every_n_seconds"),
 ])
 def test_bad_config_names_the_key(config, key):
     with pytest.raises(cc.ConfigError) as e:
