@@ -122,7 +122,7 @@ def _positive_or_none(name, v, kind=int):
         if isinstance(v, (bool, np.bool_)):
             raise TypeError
         n = operator.index(v) if kind is int else float(v)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         n = None
     if n is None or not math.isfinite(n) or n <= 0 or (kind is float and isinstance(v, (str, bytes))):
         raise ConfigError(f"{name} must be a positive {'int' if kind is int else 'number of seconds'} "
@@ -186,6 +186,7 @@ class CheckpointHook:
         self._pending: dict[int, dict] = {}
         self._calls = 0
         self._warned_back = False
+        self._replace: set[int] = set()   # damaged steps a fallback went past: replaced when reached
         self._closed = False
         self._watcher = PreemptionWatcher(preemption_signals) if preemption_signals else None
 
@@ -214,7 +215,9 @@ class CheckpointHook:
             return state, 0
         if fallback:
             restored = self.manager.restore(target=state_tree(state), fallback=True)
-            step = self.manager.restored_step
+            latest, step = step, self.manager.restored_step
+            # the damaged steps after it: the resumed run saves those step numbers anew, over them
+            self._replace = {s for s in self.manager.all_steps() if step < s <= latest}
         else:
             restored = self.manager.restore(step, target=state_tree(state))
         if self.data_iterator is not None:
@@ -318,7 +321,8 @@ class CheckpointHook:
         # the hook decides when (not the manager's interval), and never replaces a committed step
         # (which the manager finds out, for every process alike, and skips quietly)
         started = self.manager._save(step, state_tree(state), metrics=metrics, host_state=host, due=True,
-                                     quiet=True)
+                                     quiet=True, replace=step in self._replace)
+        self._replace.discard(step)
         if started:
             self.last_saved_step = step
             self._last_save_time = self.clock()

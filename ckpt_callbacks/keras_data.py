@@ -105,7 +105,7 @@ class ResumableDataset(keras.utils.PyDataset):
         if not 0 <= skip <= n:
             raise ConfigError(f"cannot skip {skip} batches of an epoch of {n} batches: the dataset changed "
                               "length since the checkpoint was saved")
-        self.epoch, self.skip, self._fetched = int(epoch), int(skip), 0
+        self.epoch, self.skip, self._fetched, self._next = int(epoch), int(skip), 0, 0
         self._order = self.batch_order(self.epoch)
 
     @property
@@ -122,11 +122,18 @@ class ResumableDataset(keras.utils.PyDataset):
         if order is None:
             order = self._order = self.batch_order(self.epoch)
         self._fetched = getattr(self, "_fetched", 0) + 1
+        in_order = index in (0, self._next)
+        self._next = index + 1
+        if not in_order and not self._warned_order:
+            self._warned_order = True
+            log.warning("ckpt_callbacks: ResumableDataset: Keras asks for batches out of order (fit(shuffle=True)?), "
+                        "so a resumed epoch would not continue exactly (and nothing is fetched ahead); pass "
+                        "shuffle=False to fit() and shuffle_seed= to the wrapper")
         if self._threads == 1:
             return self.dataset[int(order[self.skip + index])]
-        return self._prefetched(order, index)
+        return self._prefetched(order, index, in_order)
 
-    def _prefetched(self, order, index: int):
+    def _prefetched(self, order, index: int, in_order: bool):
         """Batch `index` of the current epoch, and the next `max_queue_size` ones submitted to the
         worker threads. Keras asks for indices in order on its main thread (and starts again at 0
         after peeking at the first batch); fetches for another position or epoch are dropped."""
@@ -138,13 +145,6 @@ class ResumableDataset(keras.utils.PyDataset):
             self._pool = concurrent.futures.ThreadPoolExecutor(self._threads, thread_name_prefix="ResumableDataset")
             # a wrapper dropped mid-epoch (fit() raised) does not keep its threads waiting
             self._finalizer = weakref.finalize(self, self._pool.shutdown, wait=False, cancel_futures=True)
-        in_order = index in (0, self._next)
-        self._next = index + 1
-        if not in_order and not self._warned_order:
-            self._warned_order = True
-            log.warning("ckpt_callbacks: ResumableDataset: Keras asks for batches out of order (fit(shuffle=True)?), "
-                        "so they are not fetched ahead, and a resumed epoch would not continue exactly; pass "
-                        "shuffle=False to fit() and shuffle_seed= to the wrapper")
         for j in [j for j in self._pending if j < index]:   # behind us: never asked for again
             self._pending.pop(j).cancel()
         future = self._pending.pop(index, None)
@@ -161,7 +161,7 @@ class ResumableDataset(keras.utils.PyDataset):
         hooks must not run alongside them)."""
         for f in self._pending.values():
             f.cancel()
-        self._pending, self._pending_for, self._next = {}, None, 0
+        self._pending, self._pending_for = {}, None
         if self._pool is not None:
             pool, self._pool = self._pool, None
             self._finalizer.detach()
@@ -169,7 +169,7 @@ class ResumableDataset(keras.utils.PyDataset):
 
     def on_epoch_begin(self):
         self._stop()
-        self._fetched = 0
+        self._fetched, self._next = 0, 0
         self.dataset.on_epoch_begin()
 
     def on_epoch_end(self):
@@ -179,5 +179,5 @@ class ResumableDataset(keras.utils.PyDataset):
         self._stop()
         if getattr(self, "_fetched", 0) >= self.num_batches:
             self.epoch, self.skip, self._order = self.epoch + 1, 0, None
-        self._fetched = 0
+        self._fetched, self._next = 0, 0
         self.dataset.on_epoch_end()

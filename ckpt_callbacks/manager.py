@@ -431,14 +431,16 @@ class CheckpointManager:
                     raise CorruptCheckpointError(f"step {s} is committed but unreadable: {e}") from None
             except CorruptCheckpointError as e:
                 if not fallback:
-                    if str(e).startswith(f"step {s} "):
+                    if getattr(e, "step_named", False):
                         raise
                     # say which step of which run, and the way out
-                    raise CorruptCheckpointError(
-                        f"step {s} in {self.store.url} is damaged: {e}\nFix: restore(fallback=True) (CheckpointHook: "
-                        f"restore_or_init(..., fallback=True)) resumes from the newest intact step; "
-                        f"`ckpt-callbacks verify {self.store.url} --all` lists the damaged steps.",
-                        getattr(e, "key_path", None)) from e
+                    named = CorruptCheckpointError(
+                        f"step {s} in {self.store.url} is damaged: {e}\nFix: resume from the newest intact step "
+                        f"(CheckpointManager.restore(fallback=True), CheckpointHook.restore_or_init(..., "
+                        f"fallback=True)), or find the damaged steps with `ckpt-callbacks verify {self.store.url} "
+                        f"--all` and remove them.", getattr(e, "key_path", None))
+                    named.step_named = True
+                    raise named from e
                 error = e
             except Exception as e:   # not damage (e.g. storage unavailable): no fallback, on any process
                 if not together:

@@ -280,7 +280,9 @@ def _fits_0d(v, t) -> bool:
         return False
     with np.errstate(all="ignore"):   # rounded to the dtype, as jnp.asarray would, but never
         r = float(np.asarray(v, dt).astype(np.float64))   # to inf or 0 from a finite, non-zero value
-    return math.isnan(v) or (math.isinf(r) == math.isinf(v) and (r == 0) == (v == 0))
+    if math.isnan(v):
+        return True
+    return not math.isnan(r) and math.isinf(r) == math.isinf(v) and (r == 0) == (v == 0)   # float8: NaN
 
 
 def _check(rec: dict, t, where: str) -> tuple | None:

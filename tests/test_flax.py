@@ -422,4 +422,9 @@ def test_restore_or_init_falls_back_past_a_damaged_latest_step_when_asked(ckdir)
     state, start = hook.restore_or_init(_tree(0), fallback=True)
     assert start == 1
     assert_tree_equal(state, _tree(1))
+    for step in (2, 3):   # the run goes on: step 2 is saved anew, over the damaged one
+        hook(step, _tree(step))
     hook.close()
+    m = cc.CheckpointManager(ckdir, read_only=True)
+    assert m.all_steps() == [1, 2, 3]
+    assert_tree_equal(m.restore(2), _tree(2))

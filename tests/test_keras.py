@@ -316,6 +316,16 @@ def test_resumable_dataset_with_worker_threads_trains_each_epoch_in_its_own_orde
         ResumableDataset(_Indexed(workers=2, use_multiprocessing=True))
 
 
+def test_a_resumable_dataset_read_out_of_order_is_warned_about(caplog):
+    ds = ResumableDataset(_Indexed(n=8), shuffle_seed=0)
+    with caplog.at_level("WARNING", "ckpt_callbacks"):
+        [ds[i] for i in range(8)]
+        ds.on_epoch_end()
+        assert not caplog.records
+        [ds[i] for i in (3, 1, 0, 2)]   # as fit(shuffle=True) asks
+    assert len(caplog.records) == 1 and "out of order" in caplog.records[0].getMessage()
+
+
 def test_a_resumable_dataset_epoch_must_be_one_pass(ckdir):
     ds = ResumableDataset(_Indexed(n=16), shuffle_seed=0)
     model, _ = _tapped_model()
