@@ -427,7 +427,7 @@ def _restore_leaf(reader: leaf_reader, rec: dict, t):
     if kind in ("host", "numpy") or (kind == "jax" and getattr(t, "sharding", None) is None):
         data = reader.read_box(rec, full)
         if kind == "numpy":
-            value = data[()] if isinstance(t, np.generic) else data
+            value = _like_numpy_target(data, t)
         else:
             value = _host_value(rec, data)
             if t is not None and kind == "host" and isinstance(value, np.ndarray) and value.shape == ():
@@ -460,11 +460,16 @@ def _restore_leaf(reader: leaf_reader, rec: dict, t):
     return jax.make_array_from_callback(shape, sharding, cb)
 
 
+def _like_numpy_target(value: np.ndarray, t):
+    """`value` as a numpy scalar where the target leaf is one (`np.float32(0)`), else as the array."""
+    return value[()] if isinstance(t, np.generic) else value
+
+
 def _py_onto(v, t, kind: str):
     """A saved Python number as the 0-d array target `t` asks for (see `_fits_0d`)."""
     value = np.asarray(v, np.dtype(t.dtype))
     if kind == "numpy":
-        return value[()] if isinstance(t, np.generic) else value
+        return _like_numpy_target(value, t)
     sharding = getattr(t, "sharding", None)
     if sharding is None:
         return jax.device_put(value)

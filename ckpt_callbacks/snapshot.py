@@ -436,8 +436,8 @@ def copy(snap: Snapshot, emit, budget: ByteBudget | None = None, pool: HostPool 
     `emit(("packed", leaf, ndarray))` or `emit(("array", ArrayWrite))`; then `emit(None)`. With a
     budget, each copy first reserves its bytes; the consumer releases them once written, so the
     copies of later leaves wait for the writes of earlier ones (before such a wait, `emit(("flush",))`
-    asks the consumer to write the packed leaves it gathers for a blob: their bytes come back then). With a `pool`, host-side leaves
-    are copied into its buffers when they fit (``snap.pooled`` then says so). Then `through`
+    asks the consumer to write the packed leaves it gathers for a blob: their bytes come back then).
+    With a `pool`, host-side leaves are copied into its buffers when they fit (``snap.pooled`` then says so). Then `through`
     (`writing.WriteThrough`, local stores) is offered each host-side box of an array leaf first:
     it returns a future of the files it writes from the caller's buffer, or None (then the box is
     copied). `copy` waits for those futures and emits ``("written", ArrayWrite(leaf, box, None,
