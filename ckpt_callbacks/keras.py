@@ -356,6 +356,7 @@ class AsyncCheckpoint(keras.callbacks.Callback):
         self.resumed_step, self.initial_epoch, self.initial_batch = None, 0, 0
         self._epoch, self._batch, self._global_step = 0, 0, 0
         self._since_save, self._skip, self._ended = 0, 0, 0
+        self._mid_saved = None   # the step a mid-epoch save of this epoch took, if any
         self._ended_lock = threading.Lock()
         self._resume_at, self._resumed_metrics = None, None
         self._data_saved = None
@@ -499,7 +500,8 @@ class AsyncCheckpoint(keras.callbacks.Callback):
         self._advance(done)
         if self.save_freq != "epoch" and self._since_save >= self.save_freq:
             self._since_save = 0
-            self._save(self._epoch, self._batch, metrics=None)
+            if self._save(self._epoch, self._batch, metrics=None):
+                self._mid_saved = self._global_step
 
     def on_train_batch_end(self, batch, logs=None):
         # Off the main thread (async_safe): only records how far the epoch got, for on_epoch_end.
@@ -538,7 +540,11 @@ class AsyncCheckpoint(keras.callbacks.Callback):
                 if self.verbose:
                     print(f"AsyncCheckpoint: {self.monitor} improved from {self.best} to {current}", flush=True)
                 self.best = current
-        self._save(epoch + 1, 0, metrics=metrics)
+        # Data of unknown length: Keras begins one more call after the last batch, before it finds
+        # the data ended, and that call may have saved this very step mid-epoch (no metrics, the
+        # epoch not ended): the epoch-end save replaces it.
+        again, self._mid_saved = self._mid_saved == self._global_step, None
+        self._save(epoch + 1, 0, metrics=metrics, replace=again)
 
     def on_train_end(self, logs=None):
         self._exit_warn_ctx()
@@ -555,7 +561,7 @@ class AsyncCheckpoint(keras.callbacks.Callback):
         self._data_at = claim   # only once the step it names is committed
 
     # -- saving -------------------------------------------------------------------------------
-    def _save(self, epoch: int, batch: int, metrics) -> bool:
+    def _save(self, epoch: int, batch: int, metrics, replace: bool = False) -> bool:
         t0 = time.perf_counter()
         model = self.model
         model.jax_state_sync()   # mid-epoch, the live (to-be-donated) state is in model._jax_state
@@ -565,7 +571,7 @@ class AsyncCheckpoint(keras.callbacks.Callback):
         if self._state_iterator():
             host["data"] = self.data.get_state()
         started = self.manager.save(self._global_step, {"model": _state_tree(model), "progress": progress},
-                                    metrics=metrics, host_state=host)
+                                    metrics=metrics, host_state=host, force=replace)
         self.last_blocking_s = time.perf_counter() - t0
         if started and "data" in host:
             self._data_saved = (self._global_step, host["data"])

@@ -366,6 +366,40 @@ def test_a_resumed_epoch_ends_with_its_epoch_end_save(ckdir, spe, save_freq, cra
     assert int(mngr.restore(20)["progress"]["global_step"]) == 20
 
 
+class _ListIterator:
+    """A finite iterator with Grain's get_state()/set_state() protocol."""
+
+    def __init__(self, items):
+        self.items, self.i = items, 0
+
+    def __next__(self):
+        if self.i >= len(self.items):
+            raise StopIteration
+        self.i += 1
+        return self.items[self.i - 1]
+
+    def get_state(self):
+        return {"i": self.i}
+
+    def set_state(self, state):
+        self.i = state["i"]
+
+
+def test_an_epoch_of_unknown_length_ends_with_its_epoch_end_save(ckdir):
+    """Without steps_per_epoch, Keras begins one more call after the last batch before it finds
+    the data ended: a mid-epoch save due then took the step, and the epoch-end save (with its
+    metrics and the next epoch's position) was skipped as a duplicate; it now replaces it."""
+    x = np.full((4, 1), 1.0, "float32")
+    it = _ListIterator([(x, x)] * 8)
+    model, _ = _tapped_model()
+    cb = AsyncCheckpoint(ckdir, save_freq=4, data=it)
+    model.fit(cb.batches(), epochs=1, verbose=0, callbacks=[cb])
+    assert int(model.optimizer.iterations) == 8 and cb.manager.all_steps() == [4, 8]
+    mngr = cc.CheckpointManager(ckdir, read_only=True)
+    progress = mngr.restore(8)["progress"]
+    assert (int(progress["epoch"]), int(progress["batch"])) == (1, 0) and "loss" in mngr.metrics(8)
+
+
 def test_a_wrapper_left_inside_a_resumed_epoch_is_reset_not_trained_short(ckdir):
     ds = ResumableDataset(_Indexed(n=10), shuffle_seed=0)
     ds.set_position(0, 3)   # as a fit() that raised inside a resumed epoch leaves it
