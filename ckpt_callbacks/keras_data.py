@@ -147,13 +147,14 @@ class ResumableDataset(keras.utils.PyDataset):
             self._finalizer = weakref.finalize(self, self._pool.shutdown, wait=False, cancel_futures=True)
         for j in [j for j in self._pending if j < index]:   # behind us: never asked for again
             self._pending.pop(j).cancel()
-        future = self._pending.pop(index, None)
-        if future is None:
-            future = self._pool.submit(self.dataset.__getitem__, int(order[self.skip + index]))
+        def fetch(j):
+            return self._pool.submit(self.dataset.__getitem__, int(order[self.skip + j]))
+
+        future = self._pending.pop(index, None) or fetch(index)
         ahead = range(index + 1, min(index + 1 + self._ahead, self.num_batches)) if in_order else ()
         for j in ahead:
             if j not in self._pending:
-                self._pending[j] = self._pool.submit(self.dataset.__getitem__, int(order[self.skip + j]))
+                self._pending[j] = fetch(j)
         return future.result()
 
     def _stop(self) -> None:
