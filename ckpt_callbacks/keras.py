@@ -181,6 +181,9 @@ class AsyncCheckpoint(keras.callbacks.Callback):
         (mid-epoch saves, epochs without validation) never rank.
       resume: restore the latest committed step in `on_train_begin` (False: refuse a directory that
         already holds checkpoints rather than mix two runs).
+      fallback: when the latest step is damaged, resume from the newest intact one instead (with a
+        warning; the run then saves the damaged steps' numbers anew, over them). False: `fit`
+        raises `CorruptCheckpointError` naming the step and the ways out, before training.
       data: what lets a mid-epoch resume continue at the next unseen batch: the `ResumableDataset`
         passed to `fit`, or any object with ``get_state()``/``set_state()`` (saved per process at the
         step boundary, restored in `on_train_begin`; feed it to `fit` through `batches()` for an
@@ -195,7 +198,7 @@ class AsyncCheckpoint(keras.callbacks.Callback):
     def __init__(self, directory, *, save_freq="epoch", monitor: str = "val_loss", mode: str = "auto",
                  initial_value_threshold: float | None = None, retention=None, keep_last: int | None = None,
                  keep_best: int | bool | None = None, resume: bool = True, data=None, async_save: bool = True,
-                 max_staging_bytes: int | None = None, verbose: int = 0):
+                 max_staging_bytes: int | None = None, verbose: int = 0, fallback: bool = False):
         super().__init__()
         if keras.config.backend() != "jax":
             raise ConfigError(f"AsyncCheckpoint needs the JAX backend, but Keras runs on "
@@ -249,8 +252,11 @@ class AsyncCheckpoint(keras.callbacks.Callback):
         # on a save), so that on_train_begin does not set it back over batches fit() has read.
         self._data_at = self._data_saved = None
         self._yields = self._yields_mark = 0   # items batches() generators gave; as of the last hook
-        if not isinstance(async_save, bool):
-            raise ConfigError(f"async_save must be True or False, got {async_save!r}")
+        for name, flag in (("async_save", async_save), ("fallback", fallback)):
+            if not isinstance(flag, bool):
+                raise ConfigError(f"{name} must be True or False, got {flag!r}")
+        self.fallback = fallback
+        self._replace: set[int] = set()   # damaged steps a fallback went past: saved anew when reached
 
     # -- set-up -------------------------------------------------------------------------------
     def _ranked_metrics(self) -> set:
@@ -361,6 +367,7 @@ class AsyncCheckpoint(keras.callbacks.Callback):
         self._resume_at, self._resumed_metrics = None, None
         self._data_saved = None
         self._monitor_warned = False
+        self._replace = set()
         step = self.manager.latest_step()
         if step is None:
             return
@@ -398,28 +405,34 @@ class AsyncCheckpoint(keras.callbacks.Callback):
         if not hasattr(model, "_initial_epoch"):
             raise CheckpointError(f"this Keras ({keras.__version__}) has no model._initial_epoch, which "
                                   "AsyncCheckpoint sets to resume at the next epoch; use Keras >= 3.0")
-        try:
-            host = self.manager.host_state(step) or {}
-        except IncompatibleCheckpointError as e:   # saved by another number of processes
-            log.warning("ckpt_callbacks: not restoring the host RNG / data state of step %d: %s", step, e)
-            host = {}
-        move_data = host.get("data") is not None and self._state_iterator() and step != self._data_at
-        self._data_at = None   # used once: a fit() that raises leaves no claim for the next one
-        if move_data and self._yields != self._yields_mark:   # before anything is loaded
-            raise ConfigError(
-                f"AsyncCheckpoint: fit() read batches from a batches() generator at a position other "
-                f"than step {step}'s (the generator of an earlier fit() whose last save was not "
-                f"committed, or that raised), so resuming would train on them first; nothing was "
-                f"restored. Fix: pass a new cb.batches() to each fit().")
+        data_at, self._data_at = self._data_at, None   # used once: a fit() that raises leaves no claim
         target = {"model": _state_tree(model), "progress": dict.fromkeys(_PROGRESS, 0)}
         try:
-            tree = self.manager.restore(step, target=target)
+            if self.fallback:   # the newest intact step (a warning names each damaged one passed)
+                tree = self.manager.restore(target=target, fallback=True)
+                latest, step = step, self.manager.restored_step
+                # the damaged steps after it: the resumed run saves those step numbers anew, over them
+                self._replace = {s for s in self.manager.all_steps() if step < s <= latest}
+            else:
+                tree = self.manager.restore(step, target=target)
         except IncompatibleCheckpointError as e:
             detail = "\n".join(line for line in str(e).splitlines() if not line.startswith("Fix:"))
             raise IncompatibleCheckpointError(
                 f"AsyncCheckpoint: the model does not match checkpoint step {step} in {self.manager.store.url}; "
                 f"nothing was loaded. {detail}\nFix: build and compile the same model (layer names and shapes, "
                 f"optimizer, metrics) before fit(), or start in a new directory.", e.mismatches) from None
+        try:
+            host = self.manager.host_state(step) or {}
+        except IncompatibleCheckpointError as e:   # saved by another number of processes
+            log.warning("ckpt_callbacks: not restoring the host RNG / data state of step %d: %s", step, e)
+            host = {}
+        move_data = host.get("data") is not None and self._state_iterator() and step != data_at
+        if move_data and self._yields != self._yields_mark:   # before anything is loaded
+            raise ConfigError(
+                f"AsyncCheckpoint: fit() read batches from a batches() generator at a position other "
+                f"than step {step}'s (the generator of an earlier fit() whose last save was not "
+                f"committed, or that raised), so resuming would train on them first; nothing was "
+                f"restored. Fix: pass a new cb.batches() to each fit().")
         values = tree["model"]
         for group, variables in _variable_groups(model).items():
             flat = _flatten(values[group])
@@ -571,8 +584,11 @@ class AsyncCheckpoint(keras.callbacks.Callback):
         if self._state_iterator():
             host["data"] = self.data.get_state()
         started = self.manager.save(self._global_step, {"model": _state_tree(model), "progress": progress},
-                                    metrics=metrics, host_state=host, force=replace)
+                                    metrics=metrics, host_state=host,
+                                    force=replace or self._global_step in self._replace)
         self.last_blocking_s = time.perf_counter() - t0
+        if started:
+            self._replace.discard(self._global_step)
         if started and "data" in host:
             self._data_saved = (self._global_step, host["data"])
         if started and self.verbose:

@@ -437,8 +437,9 @@ class CheckpointManager:
                     named = CorruptCheckpointError(
                         f"step {s} in {self.store.url} is damaged: {e}\nFix: resume from the newest intact step "
                         f"(CheckpointManager.restore(fallback=True), CheckpointHook.restore_or_init(..., "
-                        f"fallback=True)), or find the damaged steps with `ckpt-callbacks verify {self.store.url} "
-                        f"--all` and remove them.", getattr(e, "key_path", None))
+                        f"fallback=True), AsyncCheckpoint(..., fallback=True)), or find the damaged steps "
+                        f"with `ckpt-callbacks verify {self.store.url} --all` and remove them.",
+                        getattr(e, "key_path", None))
                     named.step_named = True
                     raise named from e
                 error = e

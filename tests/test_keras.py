@@ -615,3 +615,33 @@ def test_resuming_a_finished_run_says_there_is_nothing_left_to_train(ckdir, capl
         hist = _model().fit(x, y, batch_size=16, epochs=2, verbose=0, callbacks=[AsyncCheckpoint(ckdir)])
     assert hist.epoch == []
     assert any("nothing left to train" in r.getMessage() for r in caplog.records)
+
+
+def test_a_damaged_latest_step_stops_fit_unless_fallback_resumes_from_the_newest_intact_one(ckdir, caplog):
+    x, y, _ = _data()
+    reference = _model()
+    reference.fit(x, y, batch_size=16, epochs=4, verbose=0)
+    _model().fit(x, y, batch_size=16, epochs=3, verbose=0, callbacks=[AsyncCheckpoint(ckdir, keep_last=3)])
+    blob = os.path.join(ckdir, "step_0000000012", "blobs", "p0-0.msgpack")   # epoch 3's save
+    data = bytearray(open(blob, "rb").read())
+    data[-3] ^= 0xFF
+    open(blob, "wb").write(bytes(data))
+
+    model = _model()
+    model.build((None, 8))
+    before = [np.asarray(v.value).copy() for v in model.trainable_variables]
+    with pytest.raises(cc.CorruptCheckpointError, match=r"step 12 in .* is damaged(.|\n)*AsyncCheckpoint\(\.\.\., fallback=True\)"):
+        model.fit(x, y, batch_size=16, epochs=4, verbose=0, callbacks=[AsyncCheckpoint(ckdir, keep_last=3)])
+    assert all(np.array_equal(b, np.asarray(v.value)) for b, v in zip(before, model.trainable_variables))
+
+    cb = AsyncCheckpoint(ckdir, keep_last=3, fallback=True)
+    with caplog.at_level("WARNING", "ckpt_callbacks"):
+        hist = _model().fit(x, y, batch_size=16, epochs=4, verbose=0, callbacks=[cb])
+    assert any("step 12" in r.getMessage() and "damaged" in r.getMessage() for r in caplog.records)
+    assert cb.resumed_step == 8 and hist.epoch == [2, 3]   # epoch 3 trained again, then epoch 4
+    mngr = cc.CheckpointManager(ckdir, read_only=True)
+    assert mngr.all_steps() == [8, 12, 16]
+    mngr.restore(12)   # saved anew, over the damaged one
+    _assert_same_weights(cb.model, reference)
+    with pytest.raises(cc.ConfigError, match="fallback must be True or False"):
+        AsyncCheckpoint(ckdir, fallback="yes")
