@@ -301,13 +301,18 @@ def cmd_gc(args, store, out) -> int:
         unreadable = [s for s in steps if not isinstance(ms[s], dict)]
         infos = [StepInfo(s, float((m.get("extra") or {}).get("time", m.get("time", 0.0))), m.get("metrics") or {})
                  for s, m in ms.items() if isinstance(m, dict)]
-        keep = decide(policies, infos) | set(unreadable)
+        damaged = _damaged_kept(store, policies, infos) if args.verify else {}
+        keep = decide(policies, [i for i in infos if i.step not in damaged]) | set(unreadable) | set(damaged)
         delete = [s for s in steps if s not in keep]
         partial = store.leftovers() if args.remove_partial else []
         verb = "would delete" if args.dry_run else "deleting"
         out.write(f"{store.url}: {len(steps)} committed; keeping {sorted(keep)}\n")
         for s in unreadable:
             out.write(f"  step {s}: manifest unreadable, kept (run `ckpt-callbacks verify`)\n")
+        for s, problems in sorted(damaged.items()):
+            where, msg = problems[0]
+            out.write(f"  step {s}: damaged ({msg if msg.startswith(where) else f'{where}: {msg}'}), kept but "
+                      f"not counted by the policy (`ckpt-callbacks verify --step {s}` lists it all)\n")
         for s in delete:
             out.write(f"  {verb} step {s}\n")
             if not args.dry_run:
@@ -322,6 +327,27 @@ def cmd_gc(args, store, out) -> int:
         if locked:
             lock.release(store.root)
     return 0
+
+
+def _damaged_kept(store, policies, infos) -> dict:
+    """--verify: {step: problems} of the steps that fail `verify_step`, reading only the steps the
+    policy keeps, newest first, and deciding again without each damaged one found (so that a damaged
+    step never takes the place of an intact one), until every kept step is verified."""
+    from .retention import decide
+    from .verify import verify_step
+    damaged: dict = {}
+    ok: set = set()
+    while True:
+        keep = decide(policies, [i for i in infos if i.step not in damaged])
+        todo = sorted(keep - ok, reverse=True)
+        if not todo:
+            return damaged
+        for s in todo:
+            problems = verify_step(store, s)   # StorageUnavailableError: nothing is deleted
+            if problems:
+                damaged[s] = problems
+                break
+            ok.add(s)
 
 
 # -- timeline --------------------------------------------------------------------------------
@@ -381,6 +407,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--keep-steps", type=_steps_list, metavar="S1,S2", help="keep these steps")
     s.add_argument("--keep-every-n-seconds", type=float, metavar="S", help="keep the first step of each S-second window")
     s.add_argument("--remove-partial", action="store_true", help="also remove leftovers of interrupted saves")
+    s.add_argument("--verify", action="store_true",
+                   help="first read the steps to keep and check their checksums: a damaged one is kept but does "
+                        "not count, so an older intact step is kept in its place (reads their bytes)")
     s.add_argument("--dry-run", action="store_true", help="print what would be deleted; change nothing")
     s = sub.add_parser("timeline", help="render recent saves' phases (snapshot, write, commit, gc) as HTML/SVG")
     s.add_argument("directory", **d)

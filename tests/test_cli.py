@@ -232,6 +232,25 @@ def test_gc_dry_run_changes_nothing_then_gc_deletes_exactly(ckpt, tmp_path):
     assert open_store(d).committed_steps() == [20, 40]
 
 
+def test_gc_verify_keeps_an_intact_step_in_place_of_a_damaged_one(ckpt, tmp_path):
+    d = str(tmp_path / "run")
+    shutil.copytree(ckpt, d)
+    chunks = [os.path.join(r, f) for r, _, fs in os.walk(os.path.join(d, "step_0000000040", "arrays"))
+              for f in fs if f != "zarr.json"]
+    with open(chunks[0], "r+b") as f:   # one bit of the newest step's data
+        f.seek(100)
+        b = f.read(1)
+        f.seek(100)
+        f.write(bytes([b[0] ^ 1]))
+    rc, out, _ = run("gc", d, "--keep-last", "1", "--dry-run")   # reads no data: would keep only step 40
+    assert rc == 0 and "would delete step 30" in out
+    rc, out, _ = run("gc", d, "--keep-last", "1", "--verify")
+    assert rc == 0 and "keeping [30, 40]" in out and "deleting step 20" in out and "deleting step 30" not in out
+    assert "step 40: damaged" in out and "not counted" in out
+    assert open_store(d).committed_steps() == [30, 40]
+    assert cc.CheckpointManager(d, read_only=True).restore(30)["step"] == 30
+
+
 def test_gc_needs_a_policy_and_removes_partial_only_when_asked(ckpt, tmp_path):
     d = str(tmp_path / "run")
     shutil.copytree(ckpt, d)
