@@ -169,6 +169,70 @@ def pack_manifest(manifest: dict) -> bytes:
                           "body": body}, use_bin_type=True)
 
 
+def _host_scalar(x):
+    if isinstance(x, (np.integer, np.floating, np.bool_)):   # exact as Python numbers
+        return x.item()
+    if isinstance(x, int):
+        raise TypeError(f"int {x} does not fit in 64 bits; store it as a str")
+    raise TypeError(f"cannot store a {type(x).__module__}.{type(x).__qualname__}")
+
+
+def _container_key(x, path: str) -> str | None:
+    """The path of the first dict key that is a container (msgpack stores it, but a tuple comes
+    back as an unhashable list, so the state could never be read back)."""
+    if isinstance(x, dict):
+        for k, v in x.items():
+            if isinstance(k, (tuple, list, dict)):
+                return f"{path} (key {k!r})"
+            found = _container_key(v, f"{path}[{k!r}]")
+            if found:
+                return found
+    elif isinstance(x, (list, tuple)):
+        for i, v in enumerate(x):
+            found = _container_key(v, f"{path}[{i}]")
+            if found:
+                return found
+    return None
+
+
+def pack_host_state(state) -> bytes:
+    """One process's host state (a data iterator's ``get_state()``, RNG state) as msgpack: dicts,
+    lists (tuples come back as lists), str, bytes, bool, None, floats, ints within 64 bits, and
+    numpy numbers (come back as Python numbers); dict keys not containers. Raises TypeError naming
+    the first path that cannot be stored."""
+    try:
+        data = msgpack.packb(state, use_bin_type=True, default=_host_scalar)
+    except Exception as e:  # noqa: BLE001 - located below, then raised as one TypeError
+        raise TypeError(f"at {_unstorable(state, 'host_state') or 'host_state'}: {e}") from None
+    bad_key = _container_key(state, "host_state")
+    if bad_key:
+        raise TypeError(f"at {bad_key}: dict keys must be str, int, bytes, float, bool or None")
+    return data
+
+
+def _unstorable(x, path: str) -> str | None:
+    """The path of the first value in `x` that msgpack cannot store (None if there is none)."""
+    if isinstance(x, dict):
+        for k, v in x.items():
+            if _unstorable(k, "") is not None:
+                return f"{path} (key {k!r})"
+            found = _unstorable(v, f"{path}[{k!r}]")
+            if found:
+                return found
+        return None
+    if isinstance(x, (list, tuple)):
+        for i, v in enumerate(x):
+            found = _unstorable(v, f"{path}[{i}]")
+            if found:
+                return found
+        return None
+    try:
+        msgpack.packb(x, use_bin_type=True, default=_host_scalar)
+    except Exception:  # noqa: BLE001
+        return path
+    return None
+
+
 def _unpack(data: bytes):
     n = len(data)
     return msgpack.unpackb(data, raw=False, strict_map_key=False, max_bin_len=n, max_str_len=n,

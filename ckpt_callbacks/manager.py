@@ -180,9 +180,10 @@ class CheckpointManager:
                             "(pass force=True to replace it)", step, self.store.url)
             return False
         try:
-            host_bytes = None if host_state is None else msgpack.packb(host_state, use_bin_type=True)
-        except Exception as e:
-            raise ConfigError(f"host_state must be msgpack-able (dicts, lists, str, numbers, bytes): {e}") from None
+            host_bytes = None if host_state is None else fmt.pack_host_state(host_state)
+        except TypeError as e:
+            raise ConfigError(f"host_state must be msgpack-able (dicts, lists, str, bytes, bool, None, "
+                              f"numbers within 64 bits): {e}") from None
         snap = snapshot.plan(tree, coord=self.coord)
         budget = snapshot.ByteBudget(self.max_staging_bytes)
         items: queue.SimpleQueue = queue.SimpleQueue()

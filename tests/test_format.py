@@ -139,3 +139,18 @@ def test_aligned_blobs_start_every_item_on_the_boundary_and_stay_plain_msgpack()
 def test_bin_entries_refuses_anything_but_an_exact_array_of_bins(blob):
     with pytest.raises(ValueError):
         fmt.bin_entries(blob)
+
+
+def test_host_state_takes_numpy_numbers_and_names_the_path_of_what_it_cannot_store():
+    state = {"pos": np.int64(7), "frac": np.float32(0.5), "seen": [np.bool_(True), (1, 2)], 3: None}
+    back = msgpack.unpackb(fmt.pack_host_state(state), raw=False, strict_map_key=False)
+    assert back == {"pos": 7, "frac": 0.5, "seen": [True, [1, 2]], 3: None}
+    assert type(back["pos"]) is int
+    for bad, where, what in [({"it": {"pos": [1, 2**70]}}, "['it']['pos'][1]", "64 bits"),
+                             ({"it": {"buf": np.zeros(3)}}, "['it']['buf']", "numpy.ndarray"),
+                             ({"it": {"s": {1, 2}}}, "['it']['s']", "builtins.set"),
+                             ({"it": [{(1, 2): 3}]}, "['it'][0] (key (1, 2))", "dict keys")]:
+        with pytest.raises(TypeError) as e:
+            fmt.pack_host_state(bad)
+        assert f"at host_state{where}" in str(e.value) and what in str(e.value), str(e.value)
+

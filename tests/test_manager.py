@@ -508,3 +508,12 @@ def test_an_outage_when_save_is_called_is_a_save_error_and_the_next_save_works(c
         m.save(3, tree(3))
         m.wait_until_finished()
         assert m.all_steps() == [1, 3]
+
+
+def test_a_host_state_that_cannot_be_stored_fails_the_save_naming_its_path(tmp_path):
+    with cc.CheckpointManager(str(tmp_path / "run")) as m:
+        with pytest.raises(cc.ConfigError, match=r"host_state\['data'\]\['pos'\].*64 bits"):
+            m.save(1, {"x": np.ones(2)}, host_state={"data": {"pos": 2**64}})
+        assert m.save(2, {"x": np.ones(2)}, host_state={"data": {"pos": np.uint64(2**64 - 1)}})
+        m.wait_until_finished()
+        assert m.all_steps() == [2] and m.host_state(2) == {"data": {"pos": 2**64 - 1}}
