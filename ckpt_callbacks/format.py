@@ -204,9 +204,11 @@ def pack_host_state(state) -> bytes:
         data = msgpack.packb(state, use_bin_type=True, default=_host_scalar)
     except Exception as e:  # noqa: BLE001 - located below, then raised as one TypeError
         raise TypeError(f"at {_unstorable(state, 'host_state') or 'host_state'}: {e}") from None
-    bad_key = _container_key(state, "host_state")
-    if bad_key:
-        raise TypeError(f"at {bad_key}: dict keys must be str, int, bytes, float, bool or None")
+    try:   # as it will be read (a container key comes back a list: unhashable); C speed
+        msgpack.unpackb(data, raw=False, strict_map_key=False)
+    except TypeError:
+        bad_key = _container_key(state, "host_state") or "host_state"
+        raise TypeError(f"at {bad_key}: dict keys must be str, int, bytes, float, bool or None") from None
     return data
 
 
