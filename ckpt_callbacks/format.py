@@ -177,22 +177,27 @@ def _host_scalar(x):
     raise TypeError(f"cannot store a {type(x).__module__}.{type(x).__qualname__}")
 
 
-def _container_key(x, path: str) -> str | None:
+def _container_key(x, path: str, depth: int = 0) -> str | None:
     """The path of the first dict key that is a container (msgpack stores it, but a tuple comes
     back as an unhashable list, so the state could never be read back)."""
+    if depth > _MAX_HOST_DEPTH:
+        return None
     if isinstance(x, dict):
         for k, v in x.items():
             if isinstance(k, (tuple, list, dict)):
                 return f"{path} (key {k!r})"
-            found = _container_key(v, f"{path}[{k!r}]")
+            found = _container_key(v, f"{path}[{k!r}]", depth + 1)
             if found:
                 return found
     elif isinstance(x, (list, tuple)):
         for i, v in enumerate(x):
-            found = _container_key(v, f"{path}[{i}]")
+            found = _container_key(v, f"{path}[{i}]", depth + 1)
             if found:
                 return found
     return None
+
+
+_MAX_HOST_DEPTH = 256   # msgpack's own limit is 512 (a cycle reaches it too)
 
 
 def pack_host_state(state) -> bytes:
@@ -205,26 +210,30 @@ def pack_host_state(state) -> bytes:
     except Exception as e:  # noqa: BLE001 - located below, then raised as one TypeError
         raise TypeError(f"at {_unstorable(state, 'host_state') or 'host_state'}: {e}") from None
     try:   # as it will be read (a container key comes back a list: unhashable); C speed
-        msgpack.unpackb(data, raw=False, strict_map_key=False)
+        msgpack.unpackb(data, raw=False, strict_map_key=False, ext_hook=_no_ext)
+    except ValueError:   # from `_no_ext`
+        raise TypeError("host_state holds a msgpack.ExtType: extension types are not part of the format") from None
     except TypeError:
         bad_key = _container_key(state, "host_state") or "host_state"
         raise TypeError(f"at {bad_key}: dict keys must be str, int, bytes, float, bool or None") from None
     return data
 
 
-def _unstorable(x, path: str) -> str | None:
+def _unstorable(x, path: str, depth: int = 0) -> str | None:
     """The path of the first value in `x` that msgpack cannot store (None if there is none)."""
+    if depth > _MAX_HOST_DEPTH:
+        return f"{path[:80]}... (nested over {_MAX_HOST_DEPTH} deep: a cycle?)"
     if isinstance(x, dict):
         for k, v in x.items():
             if _unstorable(k, "") is not None:
                 return f"{path} (key {k!r})"
-            found = _unstorable(v, f"{path}[{k!r}]")
+            found = _unstorable(v, f"{path}[{k!r}]", depth + 1)
             if found:
                 return found
         return None
     if isinstance(x, (list, tuple)):
         for i, v in enumerate(x):
-            found = _unstorable(v, f"{path}[{i}]")
+            found = _unstorable(v, f"{path}[{i}]", depth + 1)
             if found:
                 return found
         return None
@@ -306,6 +315,8 @@ def _validate(m: dict) -> None:
     _validate_tree(m["tree"], n, need)
     for name in (m.get("host") or {}).values():
         need(isinstance(name, str) and HOST_RE.match(name), "host state name")
+    crcs = m.get("host_crc", {})   # absent from manifests written before host states had checksums
+    need(isinstance(crcs, dict) and all(isinstance(c, int) for c in crcs.values()), "host state checksums")
 
 
 def _validate_tree(tree, n, need):

@@ -54,7 +54,7 @@ from collections.abc import Mapping
 import keras
 import numpy as np
 
-from .errors import CheckpointError, ConfigError, IncompatibleCheckpointError
+from .errors import CheckpointError, ConfigError, CorruptCheckpointError, IncompatibleCheckpointError
 from .keras_data import ResumableDataset
 from .manager import CheckpointManager
 from .retention import KeepBest, KeepLast, as_policies
@@ -157,6 +157,31 @@ def _numeric_logs(logs) -> dict:
         except (TypeError, ValueError):
             pass
     return out
+
+
+def _host_state(manager: CheckpointManager, step: int):
+    """`manager.host_state(step)`; damage raises naming the ways out (nothing is loaded yet)."""
+    try:
+        return manager.host_state(step)
+    except CorruptCheckpointError as e:
+        raise CorruptCheckpointError(
+            f"{e}; nothing was loaded.\nFix: AsyncCheckpoint(..., fallback=True) resumes from the newest "
+            f"intact step, or find the damaged steps with `ckpt-callbacks verify {manager.store.url} --all` "
+            f"and remove them.") from None
+
+
+def _newest_intact(manager: CheckpointManager, latest: int) -> int:
+    """The newest committed step up to `latest` whose every byte reads intact (as `restore(fallback=True)`
+    picks it), warning about each damaged one; `latest` when all are damaged (its restore then fails)."""
+    from .verify import verify_step
+    for s in reversed([s for s in manager.all_steps() if s <= latest]):
+        problems = verify_step(manager.store, s)
+        if not problems:
+            return s
+        where, msg = problems[0]
+        log.warning("ckpt_callbacks: step %d in %s is damaged (%s); positioning the data at an older step",
+                    s, manager.store.url, msg if msg.startswith(where) else f"{where}: {msg}")
+    return latest
 
 
 class AsyncCheckpoint(keras.callbacks.Callback):
@@ -295,13 +320,16 @@ class AsyncCheckpoint(keras.callbacks.Callback):
     def _position_data(self) -> int | None:
         """Put `data` at the latest committed step's position; that step, or None where there is
         none or it holds no state for this process (as `on_train_begin` treats it). Any other
-        failure (e.g. unreachable storage) is raised: into `fit`, from its input."""
+        failure (e.g. unreachable storage) is raised: into `fit`, from its input. With `fallback`,
+        the newest step that reads intact (verified first: a resume then reads that step twice)."""
         with CheckpointManager(self.directory, read_only=True) as manager:
             step = manager.latest_step()
             if step is None:
                 return None
+            if self.fallback:   # the step on_train_begin will restore: the newest that reads intact
+                step = _newest_intact(manager, step)
             try:
-                state = (manager.host_state(step) or {}).get("data")
+                state = (_host_state(manager, step) or {}).get("data")
             except IncompatibleCheckpointError:   # another process count: on_train_begin warns
                 return None
         if state is None:
@@ -418,11 +446,12 @@ class AsyncCheckpoint(keras.callbacks.Callback):
         except IncompatibleCheckpointError as e:
             detail = "\n".join(line for line in str(e).splitlines() if not line.startswith("Fix:"))
             raise IncompatibleCheckpointError(
-                f"AsyncCheckpoint: the model does not match checkpoint step {step} in {self.manager.store.url}; "
+                f"AsyncCheckpoint: the model does not match checkpoint step {getattr(e, 'step', step)} in "
+                f"{self.manager.store.url}; "
                 f"nothing was loaded. {detail}\nFix: build and compile the same model (layer names and shapes, "
                 f"optimizer, metrics) before fit(), or start in a new directory.", e.mismatches) from None
         try:
-            host = self.manager.host_state(step) or {}
+            host = _host_state(self.manager, step) or {}
         except IncompatibleCheckpointError as e:   # saved by another number of processes
             log.warning("ckpt_callbacks: not restoring the host RNG / data state of step %d: %s", step, e)
             host = {}

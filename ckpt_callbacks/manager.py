@@ -424,6 +424,11 @@ class CheckpointManager:
             try:
                 try:
                     tree = restore_mod.restore(self.store, s, target)
+                    if fallback:   # this process's host state (a data position) is the step's too
+                        self._check_host_state(s)
+                except IncompatibleCheckpointError as e:
+                    e.step = s   # which step did not match (a fallback may have passed others)
+                    raise
                 except CheckpointNotFoundError as e:   # committed, so a missing manifest is damage
                     if getattr(e, "deleted", False):   # unless the step went while it was read
                         raise
@@ -468,6 +473,12 @@ class CheckpointManager:
             log.warning("ckpt_callbacks: step %d in %s is damaged (%s); %s", s, self.store.url, error,
                         f"falling back to step {nxt}" if nxt is not None else "no older step to fall back to")
         raise CorruptCheckpointError(f"every committed step up to {candidates[0]} in {self.store.url} is damaged")
+
+    def _check_host_state(self, step: int) -> None:
+        """Read this process's host state of `step`, if it saved one (CorruptCheckpointError if damaged)."""
+        m = restore_mod.read_manifest(self.store, step)
+        if self.coord.process_index in (m.get("host") or {}):
+            restore_mod.read_host_state(self.store, step, m, self.coord.process_index)
 
     def _agreed_candidates(self, fallback: bool) -> list[int]:
         """The steps every process tries, newest first (all with `fallback`, else the latest), as

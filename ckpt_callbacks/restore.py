@@ -57,10 +57,15 @@ def read_host_state(store: Store, step: int, manifest: dict, process_index: int)
     if name is None:
         return None
     data = store.read(f"{fmt.step_name(step)}/{name}")
+    crc = (manifest.get("host_crc") or {}).get(process_index)
+    if crc is not None and fmt.crc32c(data) != crc:
+        raise CorruptCheckpointError(f"host state of process {process_index} ({name}) of step {step} in "
+                                     f"{store.url} is damaged: checksum mismatch")
     try:
         return msgpack.unpackb(data, raw=False, strict_map_key=False, ext_hook=fmt._no_ext)
     except Exception as e:
-        raise CorruptCheckpointError(f"host state of process {process_index} is damaged: {e}") from None
+        raise CorruptCheckpointError(f"host state of process {process_index} ({name}) of step {step} in "
+                                     f"{store.url} is damaged: {e}") from None
 
 
 class leaf_reader:

@@ -151,7 +151,8 @@ def write_and_commit(store: Store, step: int, snap: Snapshot, items, *, coord: C
         _drain(items, budget)
     t_written = time.perf_counter()
     status = msgpack.packb({"ok": error is None, "err": None if error is None else f"{type(error).__name__}: {error}",
-                            "packed": packed_info, "host": pi if host_state is not None else None},
+                            "packed": packed_info, "host": pi if host_state is not None else None,
+                            "hc": None if host_state is None else fmt.crc32c(host_state)},
                            use_bin_type=True)
     try:
         if isinstance(error, CoordinationTimeoutError):
@@ -545,9 +546,10 @@ def _manifest(step, snap: Snapshot, statuses, metrics, extra) -> dict:
             rec.update(b=rel, bi=j, crc=crc)
         leaves.append(rec)
     host = {p: f"host/p{p}.msgpack" for p, s in enumerate(statuses) if s["host"] is not None}
+    host_crc = {p: s["hc"] for p, s in enumerate(statuses) if s["host"] is not None}
     m = {"version": fmt.FORMAT_VERSION, "step": int(step), "time": time.time(),
          "metrics": dict(metrics or {}), "process_count": snap.process_count, "tree": snap.skeleton,
-         "leaves": leaves, "host": host, "bytes": snap.bytes_total,
+         "leaves": leaves, "host": host, "host_crc": host_crc, "bytes": snap.bytes_total,
          "timings": {"started": time.time() - (time.perf_counter() - snap.started),
                      "blocking_s": snap.blocking_s, "write_s": time.perf_counter() - snap.started - snap.blocking_s}}
     if extra:

@@ -149,8 +149,16 @@ def test_host_state_takes_numpy_numbers_and_names_the_path_of_what_it_cannot_sto
     for bad, where, what in [({"it": {"pos": [1, 2**70]}}, "['it']['pos'][1]", "64 bits"),
                              ({"it": {"buf": np.zeros(3)}}, "['it']['buf']", "numpy.ndarray"),
                              ({"it": {"s": {1, 2}}}, "['it']['s']", "builtins.set"),
-                             ({"it": [{(1, 2): 3}]}, "['it'][0] (key (1, 2))", "dict keys")]:
+                             ({"it": [{(1, 2): 3}]}, "['it'][0] (key (1, 2))", "dict keys"),
+                             (_cycle(), "['self']['self']", "a cycle?"),
+                             ({"it": msgpack.ExtType(1, b"x")}, "", "ExtType")]:
         with pytest.raises(TypeError) as e:
             fmt.pack_host_state(bad)
-        assert f"at host_state{where}" in str(e.value) and what in str(e.value), str(e.value)
+        assert (not where or f"at host_state{where}" in str(e.value)) and what in str(e.value), str(e.value)
+
+
+def _cycle():
+    c = {"pos": 1}
+    c["self"] = c
+    return c
 

@@ -645,3 +645,32 @@ def test_a_damaged_latest_step_stops_fit_unless_fallback_resumes_from_the_newest
     _assert_same_weights(cb.model, reference)
     with pytest.raises(cc.ConfigError, match="fallback must be True or False"):
         AsyncCheckpoint(ckdir, fallback="yes")
+
+
+@pytest.mark.parametrize("damage", ["blob", "host"])
+def test_fallback_positions_a_batches_generator_at_the_step_it_restores(tmp_path, damage, caplog):
+    """`cb.batches()` positions the iterator before `fit` (Keras reads two batches before any
+    callback): with fallback it takes the position of the step that on_train_begin will restore."""
+    x, y, _ = _data(n=96)
+    d = str(tmp_path / "run")
+    kw = dict(steps_per_epoch=4, verbose=0)
+    reference, cb = _model(), AsyncCheckpoint(str(tmp_path / "ref"), data=_grain_iterator(x, y))
+    reference.fit(cb.batches(), callbacks=[cb], epochs=4, **kw)   # uninterrupted
+    it = _grain_iterator(x, y)
+    cb = AsyncCheckpoint(d, data=it)
+    _model().fit(cb.batches(), callbacks=[cb], epochs=3, **kw)
+    path = os.path.join(d, "step_0000000012", "blobs" if damage == "blob" else "host",
+                        "p0-0.msgpack" if damage == "blob" else "p0.msgpack")
+    data = bytearray(open(path, "rb").read())
+    data[-3] ^= 0xFF
+    open(path, "wb").write(bytes(data))
+    cb = AsyncCheckpoint(d, data=_grain_iterator(x, y))
+    with pytest.raises(cc.CorruptCheckpointError, match=r"step 12 .*damaged(.|\n)*fallback=True"):
+        _model().fit(cb.batches(), callbacks=[cb], epochs=4, **kw)
+    cb = AsyncCheckpoint(d, data=_grain_iterator(x, y), fallback=True)
+    with caplog.at_level("WARNING", "ckpt_callbacks"):
+        hist = _model().fit(cb.batches(), callbacks=[cb], epochs=4, **kw)
+    assert cb.resumed_step == 8 and hist.epoch == [2, 3]
+    _assert_same_weights(cb.model, reference)   # epochs 3 and 4 saw the batches they should
+    assert cc.CheckpointManager(d, read_only=True).all_steps() == [4, 8, 12, 16]
+

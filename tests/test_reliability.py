@@ -184,6 +184,26 @@ def test_corrupt_newest_step_fallback_is_explicit_and_logged(ckdir, caplog):
     m.close()
 
 
+def test_a_damaged_host_state_is_caught_by_its_checksum_and_fallback_passes_it(ckdir, caplog):
+    with cc.CheckpointManager(ckdir) as m:
+        for s in (1, 2):
+            m.save(s, {"x": np.full(4, s)}, host_state={"data": {"pos": 123456789 + s}})
+    host = os.path.join(ckdir, fmt.step_name(2), "host", "p0.msgpack")
+    data = bytearray(open(host, "rb").read())
+    data[-1] ^= 1   # still valid msgpack: another position
+    open(host, "wb").write(bytes(data))
+    m = cc.CheckpointManager(ckdir, read_only=True)
+    with pytest.raises(cc.CorruptCheckpointError, match=r"host state of process 0 .* step 2 .* checksum mismatch"):
+        m.host_state(2)
+    assert m.restore()["x"][0] == 2   # the tree alone reads intact ...
+    with caplog.at_level(logging.WARNING, "ckpt_callbacks"):
+        out = m.restore(fallback=True)   # ... but with a fallback the step's data position is its too
+    assert m.restored_step == 1 and out["x"][0] == 1 and m.host_state(1) == {"data": {"pos": 123456790}}
+    assert "falling back to step 1" in caplog.text
+    from ckpt_callbacks.verify import verify_step
+    assert [w for w, _ in verify_step(m.store, 2)] == ["host state of process 0"]
+
+
 @pytest.mark.parametrize("damage", ["dir_is_file", "file_is_dir"])
 def test_broken_chunk_tree_is_corruption_and_restore_falls_back(ckdir, damage):
     with cc.CheckpointManager(ckdir) as m:
