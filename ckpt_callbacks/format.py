@@ -177,26 +177,6 @@ def _host_scalar(x):
     raise TypeError(f"cannot store a {type(x).__module__}.{type(x).__qualname__}")
 
 
-def _container_key(x, path: str, depth: int = 0) -> str | None:
-    """The path of the first dict key that is a container (msgpack stores it, but a tuple comes
-    back as an unhashable list, so the state could never be read back)."""
-    if depth > _MAX_HOST_DEPTH:
-        return None
-    if isinstance(x, dict):
-        for k, v in x.items():
-            if isinstance(k, (tuple, list, dict)):
-                return f"{path} (key {k!r})"
-            found = _container_key(v, f"{path}[{k!r}]", depth + 1)
-            if found:
-                return found
-    elif isinstance(x, (list, tuple)):
-        for i, v in enumerate(x):
-            found = _container_key(v, f"{path}[{i}]", depth + 1)
-            if found:
-                return found
-    return None
-
-
 _MAX_HOST_DEPTH = 256   # msgpack's own limit is 512 (a cycle reaches it too)
 
 
@@ -208,40 +188,39 @@ def pack_host_state(state) -> bytes:
     try:
         data = msgpack.packb(state, use_bin_type=True, default=_host_scalar)
     except Exception as e:  # noqa: BLE001 - located below, then raised as one TypeError
-        raise TypeError(f"at {_unstorable(state, 'host_state') or 'host_state'}: {e}") from None
+        where = _host_path(state, "host_state", _unstorable, _unstorable)
+        raise TypeError(f"at {where or 'host_state'}: {e}") from None
     try:   # as it will be read (a container key comes back a list: unhashable); C speed
         msgpack.unpackb(data, raw=False, strict_map_key=False, ext_hook=_no_ext)
     except ValueError:   # from `_no_ext`
         raise TypeError("host_state holds a msgpack.ExtType: extension types are not part of the format") from None
     except TypeError:
-        bad_key = _container_key(state, "host_state") or "host_state"
-        raise TypeError(f"at {bad_key}: dict keys must be str, int, bytes, float, bool or None") from None
+        where = _host_path(state, "host_state", lambda k: isinstance(k, (tuple, list, dict)), lambda x: False)
+        raise TypeError(f"at {where or 'host_state'}: dict keys must be str, int, bytes, float, bool or None") from None
     return data
 
 
-def _unstorable(x, path: str, depth: int = 0) -> str | None:
-    """The path of the first value in `x` that msgpack cannot store (None if there is none)."""
+def _host_path(x, path: str, bad_key, bad_leaf, depth: int = 0) -> str | None:
+    """The path of the first dict key (``bad_key(k)``) or leaf (``bad_leaf(x)``) of `x` that is bad."""
     if depth > _MAX_HOST_DEPTH:
         return f"{path[:80]}... (nested over {_MAX_HOST_DEPTH} deep: a cycle?)"
-    if isinstance(x, dict):
-        for k, v in x.items():
-            if _unstorable(k, "") is not None:
+    if isinstance(x, (dict, list, tuple)):
+        for k, v in (x.items() if isinstance(x, dict) else enumerate(x)):
+            if isinstance(x, dict) and bad_key(k):
                 return f"{path} (key {k!r})"
-            found = _unstorable(v, f"{path}[{k!r}]", depth + 1)
+            found = _host_path(v, f"{path}[{k!r}]", bad_key, bad_leaf, depth + 1)
             if found:
                 return found
         return None
-    if isinstance(x, (list, tuple)):
-        for i, v in enumerate(x):
-            found = _unstorable(v, f"{path}[{i}]", depth + 1)
-            if found:
-                return found
-        return None
+    return path if bad_leaf(x) else None
+
+
+def _unstorable(x) -> bool:
     try:
         msgpack.packb(x, use_bin_type=True, default=_host_scalar)
     except Exception:  # noqa: BLE001
-        return path
-    return None
+        return True
+    return False
 
 
 def _unpack(data: bytes):
