@@ -238,7 +238,7 @@ def cmd_inspect(args, store, out) -> int:
 def cmd_verify(args, store, out) -> int:
     from .errors import CheckpointError, StorageUnavailableError
     from .restore import read_manifest
-    from .verify import Progress, verify_step
+    from .verify import Progress, problem_text, verify_step
     steps = store.committed_steps() if args.all else [_pick_step(store, args.step)]
     total = 0
     for s in steps:
@@ -262,7 +262,7 @@ def cmd_verify(args, store, out) -> int:
         if s in bad:
             out.write(f"step {s}: DAMAGED, {len(bad[s])} leaf/leaves:\n")
             for where, msg in bad[s]:
-                out.write(f"  {msg}\n" if msg.startswith(where) else f"  {where}: {msg}\n")
+                out.write(f"  {problem_text(where, msg)}\n")
         else:
             out.write(f"step {s}: ok\n")
     if stopped is not None:
@@ -279,6 +279,7 @@ def cmd_gc(args, store, out) -> int:
     from . import lock
     from .errors import ConfigError
     from .retention import StepInfo, decide, retention_from_config
+    from .verify import problem_text
     config = {"keep_last": args.keep_last, "keep_every": args.keep_every, "keep_best": args.keep_best,
               "keep_steps": args.keep_steps, "keep_every_n_seconds": args.keep_every_n_seconds}
     config = {k: v for k, v in config.items() if v is not None}
@@ -310,8 +311,7 @@ def cmd_gc(args, store, out) -> int:
         for s in unreadable:
             out.write(f"  step {s}: manifest unreadable, kept (run `ckpt-callbacks verify`)\n")
         for s, problems in sorted(damaged.items()):
-            where, msg = problems[0]
-            out.write(f"  step {s}: damaged ({msg if msg.startswith(where) else f'{where}: {msg}'}), kept but "
+            out.write(f"  step {s}: damaged ({problem_text(*problems[0])}), kept but "
                       f"not counted by the policy (`ckpt-callbacks verify --step {s}` lists it all)\n")
         for s in delete:
             out.write(f"  {verb} step {s}\n")

@@ -173,14 +173,13 @@ def _host_state(manager: CheckpointManager, step: int):
 def _newest_intact(manager: CheckpointManager, latest: int) -> int:
     """The newest committed step up to `latest` whose every byte reads intact (as `restore(fallback=True)`
     picks it), warning about each damaged one; `latest` when all are damaged (its restore then fails)."""
-    from .verify import verify_step
+    from .verify import problem_text, verify_step
     for s in reversed([s for s in manager.all_steps() if s <= latest]):
         problems = verify_step(manager.store, s)
         if not problems:
             return s
-        where, msg = problems[0]
         log.warning("ckpt_callbacks: step %d in %s is damaged (%s); positioning the data at an older step",
-                    s, manager.store.url, msg if msg.startswith(where) else f"{where}: {msg}")
+                    s, manager.store.url, problem_text(*problems[0]))
     return latest
 
 

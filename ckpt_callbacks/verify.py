@@ -26,7 +26,7 @@ from . import chunkread, format as fmt, treepath
 from .errors import CheckpointError, StorageUnavailableError, read_failure
 from .restore import leaf_reader, read_host_state, read_manifest
 
-__all__ = ["verify_step", "Progress"]
+__all__ = ["verify_step", "problem_text", "Progress"]
 
 
 def _human(n) -> str:
@@ -68,6 +68,11 @@ def _chunks(shape, chunks):
     grid = [range(-(-d // c)) for d, c in zip(shape, chunks)]
     for idx in itertools.product(*grid):
         yield idx, tuple(slice(i * c, min((i + 1) * c, d)) for i, c, d in zip(idx, chunks, shape))
+
+
+def problem_text(where: str, msg: str) -> str:
+    """One of `verify_step`'s problems as a line: the message, led by its key path unless it names it."""
+    return msg if msg.startswith(where) else f"{where}: {msg}"
 
 
 def verify_step(store, step: int, progress=None, window: int = 16) -> list[tuple[str, str]]:
