@@ -284,6 +284,28 @@ class _Iter:
         self.i = s["i"]
 
 
+def test_a_damaged_data_position_is_refused_and_fallback_resumes_from_the_step_before(ckdir):
+    it = _Iter()
+    hook = CheckpointHook(ckdir, every_steps=1, data_iterator=it, preemption_signals=())
+    for step in (1, 2):
+        next(it)
+        hook(step, _tree(step))
+    hook.close()
+    host = os.path.join(ckdir, "step_0000000002", "host", "p0.msgpack")
+    data = bytearray(open(host, "rb").read())
+    data[-1] ^= 1   # still valid msgpack: another position
+    open(host, "wb").write(bytes(data))
+    it = _Iter()
+    hook = CheckpointHook(ckdir, every_steps=1, preemption_signals=())
+    with pytest.raises(cc.CorruptCheckpointError, match=r"host state .* step 2 (.|\n)*fallback=True"):
+        hook.restore_or_init(_tree(0), data_iterator=it)
+    assert it.i == 0
+    state, start = hook.restore_or_init(_tree(0), data_iterator=it, fallback=True)
+    assert start == 1 and it.i == 1
+    assert_tree_equal(state, _tree(1))
+    hook.close()
+
+
 def test_data_iterator_from_constructor_and_missing_state_is_an_error(ckdir, caplog):
     it = _Iter()
     hook = CheckpointHook(ckdir, every_steps=2, data_iterator=it, preemption_signals=())
