@@ -58,7 +58,7 @@ import time
 
 import numpy as np
 
-from .errors import CheckpointError, ConfigError, CorruptCheckpointError, IncompatibleCheckpointError
+from .errors import CheckpointError, ConfigError, IncompatibleCheckpointError
 from .manager import CheckpointManager
 from .preemption import Preempted, PreemptionWatcher
 
@@ -227,11 +227,6 @@ class CheckpointHook:
                 raise IncompatibleCheckpointError(
                     f"{e}\nWith CheckpointHook: pass restore_or_init(..., iterator_remap=...) with that "
                     f"mapping, or data_iterator=None to restart the data pipeline.", e.mismatches) from None
-            except CorruptCheckpointError as e:   # (a fallback has read this process's already)
-                raise CorruptCheckpointError(
-                    f"{e}; nothing was restored.\nFix: restore_or_init(..., fallback=True) resumes from the "
-                    f"newest intact step, or find the damaged steps with `ckpt-callbacks verify "
-                    f"{self.manager.store.url} --all` and remove them.") from None
             if not isinstance(hs, dict) or _ITER_KEY not in hs:
                 raise IncompatibleCheckpointError(
                     f"step {step} in {self.manager.store.url} holds no data-iterator state for process "

@@ -54,7 +54,7 @@ from collections.abc import Mapping
 import keras
 import numpy as np
 
-from .errors import CheckpointError, ConfigError, CorruptCheckpointError, IncompatibleCheckpointError
+from .errors import CheckpointError, ConfigError, IncompatibleCheckpointError
 from .keras_data import ResumableDataset
 from .manager import CheckpointManager
 from .retention import KeepBest, KeepLast, as_policies
@@ -157,17 +157,6 @@ def _numeric_logs(logs) -> dict:
         except (TypeError, ValueError):
             pass
     return out
-
-
-def _host_state(manager: CheckpointManager, step: int):
-    """`manager.host_state(step)`; damage raises naming the ways out (nothing is loaded yet)."""
-    try:
-        return manager.host_state(step)
-    except CorruptCheckpointError as e:
-        raise CorruptCheckpointError(
-            f"{e}; nothing was loaded.\nFix: AsyncCheckpoint(..., fallback=True) resumes from the newest "
-            f"intact step, or find the damaged steps with `ckpt-callbacks verify {manager.store.url} --all` "
-            f"and remove them.") from None
 
 
 def _newest_intact(manager: CheckpointManager, latest: int) -> int:
@@ -328,7 +317,7 @@ class AsyncCheckpoint(keras.callbacks.Callback):
             if self.fallback:   # the step on_train_begin will restore: the newest that reads intact
                 step = _newest_intact(manager, step)
             try:
-                state = (_host_state(manager, step) or {}).get("data")
+                state = (manager.host_state(step) or {}).get("data")
             except IncompatibleCheckpointError:   # another process count: on_train_begin warns
                 return None
         if state is None:
@@ -450,7 +439,7 @@ class AsyncCheckpoint(keras.callbacks.Callback):
                 f"nothing was loaded. {detail}\nFix: build and compile the same model (layer names and shapes, "
                 f"optimizer, metrics) before fit(), or start in a new directory.", e.mismatches) from None
         try:
-            host = _host_state(self.manager, step) or {}
+            host = self.manager.host_state(step) or {}
         except IncompatibleCheckpointError as e:   # saved by another number of processes
             log.warning("ckpt_callbacks: not restoring the host RNG / data state of step %d: %s", step, e)
             host = {}

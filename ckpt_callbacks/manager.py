@@ -437,16 +437,9 @@ class CheckpointManager:
                     raise CorruptCheckpointError(f"step {s} is committed but unreadable: {e}") from None
             except CorruptCheckpointError as e:
                 if not fallback:
-                    if getattr(e, "step_named", False):
+                    named = self._named(s, e)   # which step of which run, and the ways out
+                    if named is e:
                         raise
-                    # say which step of which run, and the way out
-                    named = CorruptCheckpointError(
-                        f"step {s} in {self.store.url} is damaged: {e}\nFix: resume from the newest intact step "
-                        f"(CheckpointManager.restore(fallback=True), CheckpointHook.restore_or_init(..., "
-                        f"fallback=True), AsyncCheckpoint(..., fallback=True)), or find the damaged steps "
-                        f"with `ckpt-callbacks verify {self.store.url} --all` and remove them.",
-                        getattr(e, "key_path", None))
-                    named.step_named = True
                     raise named from e
                 error = e
             except Exception as e:   # not damage (e.g. storage unavailable): no fallback, on any process
@@ -473,6 +466,19 @@ class CheckpointManager:
             log.warning("ckpt_callbacks: step %d in %s is damaged (%s); %s", s, self.store.url, error,
                         f"falling back to step {nxt}" if nxt is not None else "no older step to fall back to")
         raise CorruptCheckpointError(f"every committed step up to {candidates[0]} in {self.store.url} is damaged")
+
+    def _named(self, step: int, e: CorruptCheckpointError) -> CorruptCheckpointError:
+        """`e` saying which step of which run is damaged, and the ways out (once)."""
+        if getattr(e, "step_named", False):
+            return e
+        named = CorruptCheckpointError(
+            f"step {step} in {self.store.url} is damaged: {e}\nFix: resume from the newest intact step "
+            f"(CheckpointManager.restore(fallback=True), CheckpointHook.restore_or_init(..., "
+            f"fallback=True), AsyncCheckpoint(..., fallback=True)), or find the damaged steps "
+            f"with `ckpt-callbacks verify {self.store.url} --all` and remove them.",
+            getattr(e, "key_path", None))
+        named.step_named = True
+        return named
 
     def _check_host_state(self, step: int) -> None:
         """Read this process's host state of `step`, if it saved one (CorruptCheckpointError if damaged)."""
@@ -512,6 +518,12 @@ class CheckpointManager:
         ``fn(saved: dict[int, state], process_index, process_count) -> state``.
         """
         step = self._resolve(step)
+        try:
+            return self._host_state(step, process_index, remap)
+        except CorruptCheckpointError as e:
+            raise self._named(step, e) from None
+
+    def _host_state(self, step: int, process_index, remap):
         try:
             m = restore_mod.read_manifest(self.store, step)
         except CheckpointNotFoundError as e:   # committed, so a missing manifest is damage (as in restore)

@@ -59,13 +59,12 @@ def read_host_state(store: Store, step: int, manifest: dict, process_index: int)
     data = store.read(f"{fmt.step_name(step)}/{name}")
     crc = (manifest.get("host_crc") or {}).get(process_index)
     if crc is not None and fmt.crc32c(data) != crc:
-        raise CorruptCheckpointError(f"host state of process {process_index} ({name}) of step {step} in "
-                                     f"{store.url} is damaged: checksum mismatch")
+        raise CorruptCheckpointError(f"host state of process {process_index} ({name}) is damaged: "
+                                     f"checksum mismatch")
     try:
         return msgpack.unpackb(data, raw=False, strict_map_key=False, ext_hook=fmt._no_ext)
     except Exception as e:
-        raise CorruptCheckpointError(f"host state of process {process_index} ({name}) of step {step} in "
-                                     f"{store.url} is damaged: {e}") from None
+        raise CorruptCheckpointError(f"host state of process {process_index} ({name}) is damaged: {e}") from None
 
 
 class leaf_reader:

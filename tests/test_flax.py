@@ -297,7 +297,7 @@ def test_a_damaged_data_position_is_refused_and_fallback_resumes_from_the_step_b
     open(host, "wb").write(bytes(data))
     it = _Iter()
     hook = CheckpointHook(ckdir, every_steps=1, preemption_signals=())
-    with pytest.raises(cc.CorruptCheckpointError, match=r"host state .* step 2 (.|\n)*fallback=True"):
+    with pytest.raises(cc.CorruptCheckpointError, match=r"step 2 in .* is damaged: host state (.|\n)*fallback=True"):
         hook.restore_or_init(_tree(0), data_iterator=it)
     assert it.i == 0
     state, start = hook.restore_or_init(_tree(0), data_iterator=it, fallback=True)

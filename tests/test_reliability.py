@@ -193,7 +193,7 @@ def test_a_damaged_host_state_is_caught_by_its_checksum_and_fallback_passes_it(c
     data[-1] ^= 1   # still valid msgpack: another position
     open(host, "wb").write(bytes(data))
     m = cc.CheckpointManager(ckdir, read_only=True)
-    with pytest.raises(cc.CorruptCheckpointError, match=r"host state of process 0 .* step 2 .* checksum mismatch"):
+    with pytest.raises(cc.CorruptCheckpointError, match=r"step 2 in .* is damaged: host state of process 0 .* checksum mismatch"):
         m.host_state(2)
     assert m.restore()["x"][0] == 2   # the tree alone reads intact ...
     with caplog.at_level(logging.WARNING, "ckpt_callbacks"):
