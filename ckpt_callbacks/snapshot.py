@@ -290,6 +290,10 @@ def plan(tree, *, coord: Coordinator | None = None,
         rec = _classify(path, x)
         if rec.get("prng"):
             x = jax.random.key_data(x)
+        elif isinstance(x, (np.ndarray, np.generic)) and not x.dtype.isnative:
+            # stored in this machine's byte order, as the manifest's dtype name says (a copy,
+            # taken now: a snapshot like any other)
+            x = x.astype(x.dtype.newbyteorder("="))
         records.append(rec)
         sources.append(x)
 
