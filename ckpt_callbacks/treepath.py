@@ -38,6 +38,8 @@ def _entry(k) -> tuple:
         key = k.key
         if isinstance(key, bool) or not isinstance(key, (str, int)):
             raise TypeError(f"dict key {key!r} of type {type(key).__name__}: only str and int keys can be saved")
+        if isinstance(key, int) and not -2**63 <= key < 2**64:
+            raise TypeError(f"dict key {key} does not fit in 64 bits: only int keys of 64 bits or fewer can be saved")
         return ("d", key)
     if isinstance(k, jtu.SequenceKey):
         return ("i", k.idx)
@@ -78,7 +80,14 @@ def _children(node):
     """One level of a pytree node: list of (entry, child) or None when `node` is a leaf."""
     if node is None:
         return None
-    kids, treedef = jtu.tree_flatten_with_path(node, is_leaf=lambda x: x is not node)
+    try:
+        kids, treedef = jtu.tree_flatten_with_path(node, is_leaf=lambda x: x is not node)
+    except (ValueError, TypeError):
+        types = sorted({type(k).__name__ for k in node}) if isinstance(node, dict) else []
+        if len(types) > 1:   # jax sorts a dict's keys: it cannot sort mixed ones
+            raise TypeError(f"a dict with keys of types {', '.join(types)}: jax sorts a dict's keys, "
+                            f"so one dict holds keys of one type") from None
+        raise
     if treedef.num_leaves == 1 and treedef.num_nodes == 1:
         return None  # a leaf: the tree is just itself
     return [(_entry(kp[0]), child) for kp, child in kids]

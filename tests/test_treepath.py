@@ -53,6 +53,17 @@ def test_int_and_str_keys_are_different_paths():
         treepath.match(a, b)
 
 
+@pytest.mark.parametrize("tree, match", [
+    ({"a": {2**70: 0}}, r"at \['a'\]: dict key 1180591620717411303424 does not fit in 64 bits"),
+    ({"a": {-2**63 - 1: 0}}, "does not fit in 64 bits"),
+    ({"a": [{1: 0, "b": 1}]}, r"at \['a'\]\[0\]: a dict with keys of types int, str"),
+])
+def test_keys_that_cannot_be_written_are_refused_naming_the_path(tree, match):
+    with pytest.raises(TypeError, match=match):
+        treepath.flatten(tree)
+    assert [p for p in treepath.flatten({2**64 - 1: 0, -2**63: 1}).paths] == [(("d", -2**63),), (("d", 2**64 - 1),)]
+
+
 def test_keystr():
     flat = treepath.flatten({"params": [NT(1, {"k": 2})]})
     assert flat.texts == ["['params'][0].a", "['params'][0].b['k']"]
