@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import logging
 import math
+import numbers
 import random
 import threading
 import time
@@ -56,7 +57,7 @@ import numpy as np
 
 from .errors import CheckpointError, ConfigError, IncompatibleCheckpointError
 from .keras_data import ResumableDataset
-from .manager import CheckpointManager
+from .manager import CheckpointManager, check_save_options
 from .retention import KeepBest, KeepLast, as_policies
 
 __all__ = ["AsyncCheckpoint", "ResumableDataset"]
@@ -220,6 +221,15 @@ class AsyncCheckpoint(keras.callbacks.Callback):
             raise ConfigError(f"save_freq must be 'epoch' or a positive int (batches), got {save_freq!r}")
         if mode not in ("auto", "min", "max"):
             raise ConfigError(f"mode must be 'auto', 'min' or 'max', got {mode!r}")
+        if not isinstance(monitor, str) or not monitor:
+            raise ConfigError(f"monitor must be a metric name (a non-empty str), got {monitor!r}")
+        if initial_value_threshold is not None and (isinstance(initial_value_threshold, bool) or not isinstance(
+                initial_value_threshold, numbers.Real) or math.isnan(initial_value_threshold)):
+            raise ConfigError(f"initial_value_threshold must be a number or None, got {initial_value_threshold!r}")
+        for name, flag in (("resume", resume), ("fallback", fallback)):
+            if not isinstance(flag, bool):
+                raise ConfigError(f"{name} must be True or False, got {flag!r}")
+        check_save_options(async_save, max_staging_bytes)
         if keep_best is True:
             keep_best = 1
         if keep_best is False:
@@ -248,7 +258,7 @@ class AsyncCheckpoint(keras.callbacks.Callback):
         self.save_freq, self.monitor, self.mode = save_freq, monitor, mode
         self.initial_value_threshold = initial_value_threshold
         self.keep_last, self.keep_best = keep_last, keep_best
-        self.resume, self.data, self.verbose = bool(resume), data, verbose
+        self.resume, self.data, self.verbose = resume, data, verbose
         self.async_save, self.max_staging_bytes = async_save, max_staging_bytes
         self.manager: CheckpointManager | None = None
         self.best: float | None = None
@@ -265,9 +275,6 @@ class AsyncCheckpoint(keras.callbacks.Callback):
         # on a save), so that on_train_begin does not set it back over batches fit() has read.
         self._data_at = self._data_saved = None
         self._yields = self._yields_mark = 0   # items batches() generators gave; as of the last hook
-        for name, flag in (("async_save", async_save), ("fallback", fallback)):
-            if not isinstance(flag, bool):
-                raise ConfigError(f"{name} must be True or False, got {flag!r}")
         self.fallback = fallback
         self._replace: set[int] = set()   # damaged steps a fallback went past: saved anew when reached
 

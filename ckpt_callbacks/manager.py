@@ -19,7 +19,9 @@ wait for it (so every process then sees the same committed steps). One save
 is in flight at a time: the next `save`, `wait_until_finished` or `close` waits for it and re-raises
 its failure. Start-up (process 0): check the directory is writable, take the writer lock, remove
 leftovers of crashed saves (only names this package creates); the other processes wait for its
-outcome and raise if it failed. Multi-host details: docs/multihost.md.
+outcome and raise if it failed. A manager still open when the interpreter exits normally is
+closed then (before Python stops the thread pools its writer uses), so a save in flight commits,
+with a warning that `close` was not called. Multi-host details: docs/multihost.md.
 
 Saving a step that is already committed never overwrites it: the save is skipped with a warning
 (the resumed-run case) and returns False; ``force=True`` replaces it: readers see the old step or
@@ -29,12 +31,16 @@ next start; object stores: see docs/storage.md).
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import logging
+import math
+import numbers
 import os
 import queue
 import threading
 import time
+import weakref
 
 import msgpack
 
@@ -49,6 +55,46 @@ from .writing import SaveStats, Workers, WriteThrough, write_and_commit
 __all__ = ["CheckpointManager"]
 
 log = logging.getLogger("ckpt_callbacks")
+
+_OPEN: weakref.WeakSet = weakref.WeakSet()   # managers not closed yet: `_close_at_exit` closes them
+_exit_hook = False
+
+
+def _close_at_exit() -> None:
+    """At interpreter exit, close every manager left open: a save in flight commits instead of
+    being cut off with the process (its thread is a daemon). Runs as a threading exit hook, i.e.
+    before `concurrent.futures` stops the thread pools that the writer submits to."""
+    for m in list(_OPEN):
+        if m._closed:
+            continue
+        if m._thread is not None and m._thread.is_alive():
+            log.warning("ckpt_callbacks: the CheckpointManager of %s was not closed; finishing its save in "
+                        "flight at exit (call close(), or use it as a context manager)", m.store.url)
+        try:
+            m.close()
+        except BaseException as e:  # noqa: BLE001 - nobody is left to raise to
+            log.error("ckpt_callbacks: closing the CheckpointManager of %s at exit failed: %s",
+                      m.store.url, m.store.redact(str(e)))
+
+
+def _watch_exit(manager) -> None:
+    global _exit_hook
+    _OPEN.add(manager)
+    if not _exit_hook:
+        import concurrent.futures.thread  # noqa: F401 - registers its exit hook first: ours runs before it
+        getattr(threading, "_register_atexit", atexit.register)(_close_at_exit)
+        _exit_hook = True
+
+
+def check_save_options(async_save, max_staging_bytes) -> None:
+    """ConfigError for a bad `async_save` or `max_staging_bytes` (also checked by the Keras
+    callback when it is constructed, before its manager is)."""
+    if not isinstance(async_save, bool):
+        raise ConfigError(f"async_save must be True or False, got {async_save!r}")
+    if max_staging_bytes is not None and (isinstance(max_staging_bytes, bool)
+                                          or not isinstance(max_staging_bytes, numbers.Integral)
+                                          or max_staging_bytes < 1):
+        raise ConfigError(f"max_staging_bytes must be a positive int (bytes) or None, got {max_staging_bytes!r}")
 
 
 def _check_step(step) -> int:
@@ -97,15 +143,18 @@ class CheckpointManager:
                  read_only: bool = False, coordinator: coordination.Coordinator | None = None):
         if isinstance(save_interval_steps, bool) or not isinstance(save_interval_steps, int) or save_interval_steps < 1:
             raise ConfigError(f"save_interval_steps must be a positive int, got {save_interval_steps!r}")
-        if not isinstance(async_save, bool):
-            raise ConfigError(f"async_save must be True or False, got {async_save!r}")
+        check_save_options(async_save, max_staging_bytes)
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, numbers.Real) or not 0 < timeout_s < math.inf:
+            raise ConfigError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+        if not isinstance(read_only, bool):
+            raise ConfigError(f"read_only must be True or False, got {read_only!r}")
         self.directory = os.fspath(directory)
         self.store = open_store(self.directory)
         self.save_interval_steps = save_interval_steps
         self.policies = as_policies(retention)
         self.async_save = async_save
-        self.max_staging_bytes = max_staging_bytes
-        self.timeout_s = timeout_s
+        self.max_staging_bytes = None if max_staging_bytes is None else int(max_staging_bytes)
+        self.timeout_s = float(timeout_s)
         self.clock = clock
         self.read_only = read_only
         self.coord = coordinator or coordination.current()
@@ -124,6 +173,7 @@ class CheckpointManager:
         self._locked = False
         if not read_only:
             self._start_up()
+            _watch_exit(self)
 
     # -- start-up -----------------------------------------------------------------------------
     def _start_up(self) -> None:

@@ -77,7 +77,12 @@ class KeepSteps(Policy):
     steps: frozenset
 
     def __init__(self, steps: Iterable[int]):
-        steps = list(steps)
+        try:
+            if isinstance(steps, (str, bytes)):
+                raise TypeError
+            steps = list(steps)
+        except TypeError:
+            raise ConfigError(f"keep_steps must be a list of non-negative ints, got {steps!r}") from None
         if not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in steps):
             raise ConfigError(f"keep_steps must be a list of non-negative ints, got {steps!r}")
         object.__setattr__(self, "steps", frozenset(steps))

@@ -448,6 +448,13 @@ def test_configuration_errors(ckdir):
         AsyncCheckpoint(ckdir, keep_last=0)
     with pytest.raises(cc.ConfigError, match="async_save"):
         AsyncCheckpoint(ckdir, async_save=0)
+    bad = [({"initial_value_threshold": "0.5"}, "initial_value_threshold"),
+           ({"initial_value_threshold": float("nan")}, "initial_value_threshold"),
+           ({"resume": "no"}, "resume"), ({"fallback": 1}, "fallback"), ({"monitor": None}, "monitor"),
+           ({"max_staging_bytes": "64MB"}, "max_staging_bytes")]
+    for kwargs, match in bad:   # at construction, not in the middle of fit()
+        with pytest.raises(cc.ConfigError, match=match):
+            AsyncCheckpoint(ckdir, **kwargs)
     x, y, _ = _data()
     _model().fit(x, y, batch_size=16, epochs=1, verbose=0, callbacks=[AsyncCheckpoint(ckdir)])
     with pytest.raises(cc.ConfigError, match="resume=False"):

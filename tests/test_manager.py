@@ -442,7 +442,14 @@ def test_bad_save_arguments_raise_at_the_call_and_nothing_is_saved_or_lost(ckdir
 
 
 @pytest.mark.parametrize("kwargs, match", [({"async_save": "no"}, "async_save"),
-                                           ({"async_save": 0}, "async_save")])
+                                           ({"async_save": 0}, "async_save"),
+                                           ({"max_staging_bytes": "64MB"}, "max_staging_bytes"),
+                                           ({"max_staging_bytes": 0}, "max_staging_bytes"),
+                                           ({"max_staging_bytes": True}, "max_staging_bytes"),
+                                           ({"timeout_s": -1}, "timeout_s"),
+                                           ({"timeout_s": float("nan")}, "timeout_s"),
+                                           ({"timeout_s": "600"}, "timeout_s"),
+                                           ({"read_only": "yes"}, "read_only")])
 def test_bad_manager_options_are_config_errors(ckdir, kwargs, match):
     with pytest.raises(cc.ConfigError, match=match):
         cc.CheckpointManager(ckdir, **kwargs)
@@ -517,3 +524,37 @@ def test_a_host_state_that_cannot_be_stored_fails_the_save_naming_its_path(tmp_p
         assert m.save(2, {"x": np.ones(2)}, host_state={"data": {"pos": np.uint64(2**64 - 1)}})
         m.wait_until_finished()
         assert m.all_steps() == [2] and m.host_state(2) == {"data": {"pos": 2**64 - 1}}
+
+
+def test_a_manager_left_open_finishes_its_save_in_flight_at_exit_and_says_so(ckdir):
+    """A script that ends without close(): the save in flight commits (the writer thread is a
+    daemon and the thread pools it submits to stop at exit: the manager closes before them)."""
+    code = ("import sys, time, numpy as np, ckpt_callbacks as cc, ckpt_callbacks.manager as mm\n"
+            "real = mm.write_and_commit\n"
+            "def slow(*a, **k):\n    time.sleep(1.0)\n    return real(*a, **k)\n"
+            "mm.write_and_commit = slow   # still in flight when the script ends\n"
+            "m = cc.CheckpointManager(sys.argv[1], retention=cc.KeepLast(1))\n"
+            "m.save(1, {'w': np.ones(3)}); m.wait_until_finished()\n"
+            "m.save(2, {'w': np.full(300_000, 2.0)})\n"
+            "print('saved', flush=True)\n")
+    r = subprocess.run([sys.executable, "-c", code, ckdir], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "saved" in r.stdout, r.stdout + r.stderr
+    assert "was not closed; finishing its save in flight at exit" in r.stderr, r.stderr
+    assert sorted(os.listdir(ckdir)) == ["step_0000000002"]   # committed, retention applied, lock released
+    with cc.CheckpointManager(ckdir) as m:
+        np.testing.assert_array_equal(m.restore(2)["w"], np.full(300_000, 2.0))
+
+
+@pytest.mark.parametrize("kind", ["packed", "zarr"])
+def test_numpy_leaves_of_the_other_byte_order_restore_their_values(ckdir, kind):
+    n = 5 if kind == "packed" else 300_000
+    leaves = {"i": np.arange(n, dtype=">i4"), "f": np.linspace(-1, 1, n, dtype=">f8"), "s": np.array(7, ">u2")}
+    expect = {k: np.array(v) for k, v in leaves.items()}
+    with cc.CheckpointManager(ckdir) as m:
+        m.save(1, leaves)
+        for v in leaves.values():   # mutated right after the call: the snapshot holds
+            v[...] = 0
+        m.wait_until_finished()
+        out = m.restore(1)
+    for k, v in expect.items():
+        assert out[k].dtype == v.dtype.newbyteorder("=") and np.array_equal(out[k], v), k

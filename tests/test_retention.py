@@ -106,6 +106,12 @@ def test_bad_config_names_the_key(config, key):
     assert isinstance(e.value, ValueError)
 
 
+@pytest.mark.parametrize("steps", [5, "5", None])
+def test_keep_steps_of_something_not_a_list_is_a_config_error(steps):
+    with pytest.raises(cc.ConfigError, match="keep_steps must be a list"):
+        cc.KeepSteps(steps)
+
+
 def test_no_policy_keeps_everything():
     infos = [StepInfo(s, float(s), {}) for s in (1, 2, 3)]
     assert decide(None, infos) == decide([], infos) == {1, 2, 3}
