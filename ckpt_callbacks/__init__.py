@@ -2,6 +2,7 @@
 
 Example::
 
+    import jax
     import ckpt_callbacks as cc
     with cc.CheckpointManager("/tmp/run", retention=cc.KeepLast(3)) as mngr:
         mngr.save(1, {"w": jax.numpy.ones(4)})

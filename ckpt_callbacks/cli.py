@@ -402,7 +402,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("directory", **d)
     s.add_argument("--keep-last", type=int, metavar="N", help="keep the N newest steps")
     s.add_argument("--keep-every", type=int, metavar="N", help="keep steps that are multiples of N")
-    s.add_argument("--keep-best", type=lambda t: _parse_best(t, True), metavar="METRIC:min|max:N",
+    s.add_argument("--keep-best", type=lambda t: _parse_best(t, True), metavar="METRIC:min|max[:N]",
                    help="keep the N best steps by a metric saved with them")
     s.add_argument("--keep-steps", type=_steps_list, metavar="S1,S2", help="keep these steps")
     s.add_argument("--keep-every-n-seconds", type=float, metavar="S", help="keep the first step of each S-second window")

@@ -2,6 +2,7 @@
 
 Example (NNX; the Linen form is the same with a `TrainState` that `restore_or_init` returns anew)::
 
+    import ckpt_callbacks as cc
     from ckpt_callbacks.flax import CheckpointHook
     hook = CheckpointHook("/tmp/run", every_steps=100, retention=cc.KeepLast(3))
     (model, optimizer), step = hook.restore_or_init((model, optimizer), data_iterator=it)
