@@ -46,10 +46,12 @@ from __future__ import annotations
 import logging
 import math
 import numbers
+import os
 import random
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Mapping
 
 import keras
@@ -63,6 +65,14 @@ from .retention import KeepBest, KeepLast, as_policies
 __all__ = ["AsyncCheckpoint", "ResumableDataset"]
 
 log = logging.getLogger("ckpt_callbacks")
+
+# directory -> the AsyncCheckpoint whose manager was opened there last (see `_close_abandoned`)
+_OPEN: dict = {}
+
+
+def _dir_key(directory) -> str:
+    d = os.fspath(directory)
+    return d if "://" in d else os.path.realpath(d)
 
 _GROUPS = ("trainable_variables", "non_trainable_variables", "optimizer_variables", "metrics_variables")
 _PROGRESS = ("epoch", "batch", "global_step", "best", "version")
@@ -217,6 +227,10 @@ class AsyncCheckpoint(keras.callbacks.Callback):
         if keras.config.backend() != "jax":
             raise ConfigError(f"AsyncCheckpoint needs the JAX backend, but Keras runs on "
                               f"{keras.config.backend()!r}. Fix: set KERAS_BACKEND=jax before importing keras.")
+        if not isinstance(directory, (str, os.PathLike)) or not os.fspath(directory).strip():
+            raise ConfigError(f"directory must be a path or a URL (str or os.PathLike), got {directory!r}")
+        if isinstance(verbose, bool) or not isinstance(verbose, numbers.Integral):
+            raise ConfigError(f"verbose must be 0 or 1, got {verbose!r}")
         if save_freq != "epoch" and (isinstance(save_freq, bool) or not isinstance(save_freq, int) or save_freq < 1):
             raise ConfigError(f"save_freq must be 'epoch' or a positive int (batches), got {save_freq!r}")
         if mode not in ("auto", "min", "max"):
@@ -270,6 +284,7 @@ class AsyncCheckpoint(keras.callbacks.Callback):
         self._epoch_end = None
         self._set_initial_epoch = False
         self._open = False
+        self._fit_thread: threading.Thread | None = None
         # `_data_at`: the step whose position a get_state()/set_state() `data` iterator holds
         # already when the next fit() begins (put there by `batches`, or where the last fit ended
         # on a save), so that on_train_begin does not set it back over batches fit() has read.
@@ -340,10 +355,14 @@ class AsyncCheckpoint(keras.callbacks.Callback):
         name = (monitor or self.monitor).removeprefix("val_")
         if name == "loss" or name.endswith("_loss"):
             return "min"
-        for container in getattr(self.model, "metrics", []):
-            for m in getattr(container, "metrics", [container]):
-                if getattr(m, "name", None) == name and hasattr(m, "_direction"):
-                    return "max" if m._direction == "up" else "min"
+        # a model with several outputs logs "<output>_<metric>" ("a_accuracy")
+        names = {name} | {name[len(o) + 1:] for o in getattr(self.model, "output_names", None) or ()
+                          if isinstance(o, str) and name.startswith(f"{o}_")}
+        directions = {m._direction for container in getattr(self.model, "metrics", [])
+                      for m in getattr(container, "metrics", [container])
+                      if getattr(m, "name", None) in names and hasattr(m, "_direction")}
+        if len(directions) == 1:
+            return "max" if directions.pop() == "up" else "min"
         return None
 
     def _policies(self, mode: str | None):
@@ -376,11 +395,36 @@ class AsyncCheckpoint(keras.callbacks.Callback):
 
     def _train_begin(self):
         self._close(raise_errors=False)      # left open by a fit() that raised
+        self._close_abandoned()
         self._check_epochs_are_passes()
         self._mode = self._resolved_mode()
         self.manager = CheckpointManager(self.directory, retention=self._policies(self._mode),
                                          async_save=self.async_save, max_staging_bytes=self.max_staging_bytes)
         self._open = True
+        self._fit_thread = threading.current_thread()
+        _OPEN[_dir_key(self.directory)] = weakref.ref(self)
+        try:
+            self._resume()
+        except BaseException:   # nothing trains: the directory is free again for a fixed model or callback
+            self._close(raise_errors=False)
+            raise
+
+    def _close_abandoned(self) -> None:
+        """Close the manager that another AsyncCheckpoint left open on this directory when its
+        fit() raised (Keras then calls no on_train_end): one whose fit ran on this thread (which is
+        here now, so that fit is over) or on a thread that has ended. Its lock would refuse ours."""
+        ref = _OPEN.get(_dir_key(self.directory))
+        other = ref() if ref is not None else None
+        if other is None or other is self or not other._open:
+            return
+        thread = other._fit_thread
+        if thread is threading.current_thread() or not thread.is_alive():
+            log.warning("ckpt_callbacks: AsyncCheckpoint: closing the checkpoint manager that another "
+                        "AsyncCheckpoint left open on %s (its fit() raised)", self.directory)
+            other._close(raise_errors=False)
+
+    def _resume(self) -> None:
+        """This fit()'s run state from scratch, then the restore of the latest step (if any)."""
         self.best = self.initial_value_threshold
         self.resumed_step, self.initial_epoch, self.initial_batch = None, 0, 0
         self._epoch, self._batch, self._global_step = 0, 0, 0
@@ -581,6 +625,13 @@ class AsyncCheckpoint(keras.callbacks.Callback):
         # the data ended, and that call may have saved this very step mid-epoch (no metrics, the
         # epoch not ended): the epoch-end save replaces it.
         again, self._mid_saved = self._mid_saved == self._global_step, None
+        loss = metrics.get("loss")
+        if loss is not None and not math.isfinite(loss):
+            # weights that produced a NaN/inf loss are no place to resume from, and retention
+            # would make room for them by deleting a good step
+            log.warning("ckpt_callbacks: AsyncCheckpoint: not saving epoch %d: its loss is %s; the last "
+                        "step saved stays the one a resumed fit() starts from", epoch + 1, loss)
+            return
         self._save(epoch + 1, 0, metrics=metrics, replace=again)
 
     def on_train_end(self, logs=None):

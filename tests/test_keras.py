@@ -192,6 +192,72 @@ def test_mismatched_model_is_refused_and_nothing_is_loaded(ckdir):
         assert all(before[k].tobytes() == after[k].tobytes() for k in before)   # no partial load
 
 
+def test_a_fit_that_raises_never_leaves_the_directory_locked_for_the_next_callback(ckdir, caplog):
+    """As in a notebook: a cell's fit() raises (a mismatched model; another callback), the user
+    fixes it and runs the cell again with a new AsyncCheckpoint on the same directory."""
+    x, y, val = _data()
+    _model().fit(x, y, batch_size=16, epochs=1, verbose=0, callbacks=[AsyncCheckpoint(ckdir)])
+    failed = AsyncCheckpoint(ckdir)
+    with pytest.raises(cc.IncompatibleCheckpointError):   # on_train_begin raises: it closes what it opened
+        _model(units=12).fit(x, y, batch_size=16, epochs=2, verbose=0, callbacks=[failed])
+    assert not os.path.exists(os.path.join(ckdir, ".ckpt_callbacks.lock"))
+
+    class Boom(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            if epoch == 1:
+                raise RuntimeError("boom")
+
+    left = AsyncCheckpoint(ckdir)   # Keras calls no on_train_end when fit() raises: its manager stays open
+    with pytest.raises(RuntimeError, match="boom"):
+        _model().fit(x, y, batch_size=16, epochs=4, verbose=0, callbacks=[left, Boom()])
+    assert os.path.exists(os.path.join(ckdir, ".ckpt_callbacks.lock"))
+    cb = AsyncCheckpoint(ckdir)
+    with caplog.at_level("WARNING", logger="ckpt_callbacks"):
+        _model().fit(x, y, batch_size=16, epochs=3, verbose=0, callbacks=[cb])
+    assert "closing the checkpoint manager that another AsyncCheckpoint left open" in caplog.text
+    assert cb.resumed_step == 8 and cb.manager.all_steps() == [4, 8, 12]
+    assert not os.path.exists(os.path.join(ckdir, ".ckpt_callbacks.lock"))
+    with pytest.raises(cc.CheckpointError, match="closed"):   # the abandoned callback's manager
+        left.manager.save(99, {"x": 1})
+
+
+def test_an_epoch_whose_loss_is_not_finite_is_not_saved(ckdir, caplog):
+    """Weights that produced a NaN loss are no place to resume from; retention would otherwise
+    delete the last good step to make room for them."""
+    x, y, val = _data()
+    model = _model()
+
+    class Poison(keras.callbacks.Callback):   # the weights go NaN during epoch 3
+        def on_epoch_begin(self, epoch, logs=None):
+            if epoch == 2:
+                for v in model.trainable_variables:
+                    v.assign(np.full(v.shape, np.nan, "float32"))
+
+    cb = AsyncCheckpoint(ckdir, keep_last=1)
+    with caplog.at_level("WARNING", logger="ckpt_callbacks"):
+        hist = model.fit(x, y, batch_size=16, epochs=4, verbose=0, callbacks=[Poison(), cb])
+    assert np.isnan(hist.history["loss"][2]) and "not saving epoch 3: its loss is nan" in caplog.text
+    assert cb.manager.all_steps() == [8]
+    restored = cc.CheckpointManager(ckdir, read_only=True).restore(8)
+    assert all(np.isfinite(v).all() for v in jax.tree_util.tree_leaves(restored["model"]["trainable_variables"]))
+
+
+def test_mode_auto_finds_the_direction_of_a_multi_output_models_metrics(ckdir):
+    keras.backend.clear_session()
+    inp = keras.Input((8,))
+    h = keras.layers.Dense(4, activation="relu")(inp)
+    model = keras.Model(inp, {"a": keras.layers.Dense(1, activation="sigmoid", name="a")(h),
+                              "b": keras.layers.Dense(1, name="b")(h)})
+    model.compile(optimizer="adam", loss={"a": "binary_crossentropy", "b": "mse"},
+                  metrics={"a": ["accuracy"], "b": ["mae"]})
+    x, y, _ = _data()
+    labels = {"a": (y > 0).astype("float32"), "b": y}
+    for monitor, mode in [("val_a_accuracy", "max"), ("val_b_mae", "min"), ("val_a_loss", "min")]:
+        cb = AsyncCheckpoint(os.path.join(ckdir, monitor), monitor=monitor, keep_best=1)
+        model.fit(x, labels, batch_size=16, epochs=1, validation_split=0.25, verbose=0, callbacks=[cb])
+        assert [(p.metric, p.mode) for p in cb.manager.policies] == [(monitor, mode)]
+
+
 def test_keep_last_and_keep_best_on_val_loss_leave_exactly_the_expected_steps(ckdir):
     """keep_last=2 + keep_best=1 on val_loss, validation only every 2nd epoch: the survivors are the two
     newest steps plus the epoch-end step with the lowest val_loss; epochs without val_loss never rank."""
@@ -451,10 +517,13 @@ def test_configuration_errors(ckdir):
     bad = [({"initial_value_threshold": "0.5"}, "initial_value_threshold"),
            ({"initial_value_threshold": float("nan")}, "initial_value_threshold"),
            ({"resume": "no"}, "resume"), ({"fallback": 1}, "fallback"), ({"monitor": None}, "monitor"),
-           ({"max_staging_bytes": "64MB"}, "max_staging_bytes")]
+           ({"max_staging_bytes": "64MB"}, "max_staging_bytes"), ({"verbose": "yes"}, "verbose")]
     for kwargs, match in bad:   # at construction, not in the middle of fit()
         with pytest.raises(cc.ConfigError, match=match):
             AsyncCheckpoint(ckdir, **kwargs)
+    for directory in (None, "", 3):
+        with pytest.raises(cc.ConfigError, match="directory"):
+            AsyncCheckpoint(directory)
     x, y, _ = _data()
     _model().fit(x, y, batch_size=16, epochs=1, verbose=0, callbacks=[AsyncCheckpoint(ckdir)])
     with pytest.raises(cc.ConfigError, match="resume=False"):
