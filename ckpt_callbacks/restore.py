@@ -428,7 +428,7 @@ def _restore_leaf(reader: leaf_reader, rec: dict, t):
     if rec["k"] == "py":
         return rec["v"] if kind not in ("numpy", "jax") else _py_onto(rec["v"], t, kind)
     full = tuple((0, d) for d in rec["sh"])
-    if kind in ("host", "numpy") or (kind == "jax" and getattr(t, "sharding", None) is None):
+    if kind in ("host", "numpy") or (kind == "jax" and _placement_free(t)):
         data = reader.read_box(rec, full)
         if kind == "numpy":
             value = _like_numpy_target(data, t)
@@ -464,6 +464,16 @@ def _restore_leaf(reader: leaf_reader, rec: dict, t):
     return jax.make_array_from_callback(shape, sharding, cb)
 
 
+def _placement_free(t) -> bool:
+    """Whether target leaf `t` leaves its placement to jax: a ShapeDtypeStruct without a sharding,
+    or an array never put on a device explicitly (``jnp.zeros(())``: an optimizer's `count`). Its
+    value comes back the same (uncommitted, on the default device), so that jit may still move it
+    next to the sharded arrays it meets; pinned to that device it would fail the first step."""
+    if isinstance(t, jax.Array):
+        return not t.committed
+    return getattr(t, "sharding", None) is None
+
+
 def _like_numpy_target(value: np.ndarray, t):
     """`value` as a numpy scalar where the target leaf is one (`np.float32(0)`), else as the array."""
     return value[()] if isinstance(t, np.generic) else value
@@ -474,9 +484,9 @@ def _py_onto(v, t, kind: str):
     value = np.asarray(v, np.dtype(t.dtype))
     if kind == "numpy":
         return _like_numpy_target(value, t)
-    sharding = getattr(t, "sharding", None)
-    if sharding is None:
+    if _placement_free(t):
         return jax.device_put(value)
+    sharding = t.sharding
     return jax.make_array_from_callback((), sharding, lambda idx: value[idx])
 
 

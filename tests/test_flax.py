@@ -353,6 +353,40 @@ def test_linen_trainstate_roundtrip_in_process(ckdir):
     assert_tree_equal(_host(got), _host(st))
 
 
+def test_a_sharded_linen_state_with_adam_trains_on_after_a_resume(ckdir, devices):
+    """Params sharded over a 4x2 mesh, adam's `count` left where jax put it (uncommitted): the
+    first step after restore_or_init runs, as in the fresh run (it failed with "incompatible
+    devices" when the restore pinned `count` to device 0)."""
+    import flax.linen as nn
+    from flax.training import train_state
+
+    mesh = jax.sharding.Mesh(np.array(devices).reshape(4, 2), ("a", "b"))
+    m = nn.Dense(8)
+    params = m.init(jax.random.key(0), jnp.ones((1, 4)))["params"]
+    params = {"kernel": jax.device_put(params["kernel"], jax.sharding.NamedSharding(mesh, P("a", "b"))),
+              "bias": jax.device_put(params["bias"], jax.sharding.NamedSharding(mesh, P("b")))}
+    x = jax.device_put(jnp.ones((8, 4)), jax.sharding.NamedSharding(mesh, P("a")))
+
+    @jax.jit
+    def step(st):
+        grads = jax.grad(lambda p: jnp.sum(st.apply_fn({"params": p}, x) ** 2))(st.params)
+        return st.apply_gradients(grads=grads)
+
+    def fresh():
+        return train_state.TrainState.create(apply_fn=m.apply, params=params, tx=optax.adam(1e-2))
+
+    with CheckpointHook(ckdir, every_steps=1, preemption_signals=()) as hook:
+        st, start = hook.restore_or_init(fresh())
+        assert start == 0 and not st.opt_state[0].count.committed
+        st = step(st)
+        assert hook(1, st)
+    with CheckpointHook(ckdir, every_steps=1, preemption_signals=()) as hook:
+        st2, start = hook.restore_or_init(fresh())
+    assert start == 1 and not st2.opt_state[0].count.committed
+    a, b = step(st2), step(st)
+    assert_tree_equal(_host((a.step, a.params, a.opt_state)), _host((b.step, b.params, b.opt_state)))
+
+
 def _doc_blocks():
     text = open(os.path.join(HERE, "..", "docs", "flax.md")).read()
     blocks = text.split("```python\n")[1:]

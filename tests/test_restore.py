@@ -438,3 +438,25 @@ def test_every_leaf_stored_as_a_zarr_array_roundtrips_including_0d(ckdir, monkey
                           if isinstance(v, jax.Array) else v, tree)
     got = cc.CheckpointManager(ckdir, read_only=True).restore(target=target)
     assert_tree_equal(jax.tree.map(np.asarray, got), jax.tree.map(np.asarray, tree))
+
+
+def test_a_target_leaf_jax_may_still_place_comes_back_so(ckdir):
+    """optax's `count` (``jnp.zeros([], int32)``) and arrays never put on a device explicitly are
+    uncommitted: jit moves them next to the sharded arrays they meet. Restored pinned to the default
+    device, the first training step after a resume failed with "incompatible devices"."""
+    s = NamedSharding(mesh((4, 2)), P("a", "b"))
+    state = {"w": jax.device_put(jnp.ones((8, 4)), s), "count": jnp.zeros([], jnp.int32), "b": jnp.ones(3),
+             "n": 5, "pinned": jax.device_put(jnp.ones(2), jax.devices()[3])}
+    assert not state["count"].committed and not state["b"].committed
+    save(ckdir, state)
+    target = {**state, "n": jnp.zeros([], jnp.int32)}   # a saved Python number onto an uncommitted 0-d array
+    with cc.CheckpointManager(ckdir, read_only=True) as m:
+        out = m.restore(1, target=target)
+        abstract = m.restore(1, target=jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if isinstance(x, jax.Array) else x, state))
+    assert not out["count"].committed and not out["b"].committed and not out["n"].committed
+    assert not abstract["count"].committed and not abstract["b"].committed
+    assert out["w"].sharding == s and out["pinned"].committed and out["pinned"].devices() == {jax.devices()[3]}
+    step = jax.jit(lambda t: (t["w"] * t["count"] + t["n"], t["b"] + t["count"]))
+    np.testing.assert_array_equal(step(out)[0], np.full((8, 4), 5.0))   # raised before: incompatible devices
+    assert int(out["n"]) == 5
