@@ -90,7 +90,7 @@ class JaxDistributed(Coordinator):
     def _key(self, name: str) -> str:
         return f"{self.namespace}/{name}"
 
-    def _fail(self, what: str, timeout_s: float, e: Exception, peer: int | None = None, t0: float | None = None):
+    def _fail(self, what: str, timeout_s: float, e: Exception, peers=(), t0: float | None = None):
         said = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
         waited = None if t0 is None else time.monotonic() - t0
         # a deadline that another process's wait ran out already, or a full wait here: a timeout;
@@ -104,11 +104,12 @@ class JaxDistributed(Coordinator):
                 f"coordination service (hosted by process 0) is gone or refused it, e.g. process 0 "
                 f"died. Coordination service said: {said}", who) from None
         who = {self.process_index: f"timeout in {what}"}
-        if peer is not None:
-            who[peer] = f"sent nothing within {timeout_s:g}s (died or stuck)"
+        for p in peers:
+            who[p] = f"sent nothing within {timeout_s:g}s (died or stuck)"
+        silent = f" (silent: process {', '.join(map(str, peers))})" if peers else ""
         raise CoordinationTimeoutError(
             f"process {self.process_index}/{self.process_count}: {what} did not complete within "
-            f"{timeout_s:g}s: a peer process died, is stuck, or called a different sequence of "
+            f"{timeout_s:g}s{silent}: a peer process died, is stuck, or called a different sequence of "
             f"checkpoint operations (every process must call save/restore alike). "
             f"Coordination service said: {said}", who) from None
 
@@ -123,14 +124,23 @@ class JaxDistributed(Coordinator):
         try:
             return self.client.blocking_key_value_get_bytes(self._key(name), max(1, int(timeout_s * 1000)))
         except Exception as e:  # noqa: BLE001
-            self._fail(what, timeout_s, e, peer, t0)
+            self._fail(what, timeout_s, e, (peer,), t0)
 
     def barrier(self, name, timeout_s):
         t0 = time.monotonic()
-        try:
+        try:   # each process also says it came, so that a timeout can name those who did not
+            self.client.key_value_set_bytes(self._key(f"{name}/at/{self.process_index}"), b"")
             self.client.wait_at_barrier(self._key(name), max(1, int(timeout_s * 1000)))
         except Exception as e:  # noqa: BLE001
-            self._fail(f"barrier {name!r}", timeout_s, e, t0=t0)
+            self._fail(f"barrier {name!r}", timeout_s, e, self._absent(f"{name}/at/"), t0)
+
+    def _absent(self, prefix: str) -> list:
+        """The processes that have not set a key under `prefix` (none known if the service is gone)."""
+        try:
+            came = {int(k.rsplit("/", 1)[1]) for k, _ in self.client.key_value_dir_get_bytes(self._key(prefix))}
+        except Exception:  # noqa: BLE001
+            return []
+        return [p for p in range(self.process_count) if p not in came]
 
     def all_gather(self, name, data, timeout_s):
         self._set(f"{name}/{self.process_index}", data, timeout_s)

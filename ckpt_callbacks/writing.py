@@ -161,8 +161,9 @@ def write_and_commit(store: Store, step: int, snap: Snapshot, items, *, coord: C
     except Exception as e:
         if pi == 0:  # only process 0 commits or removes the (shared) staging data; leftovers go at start-up
             _abort(store, staging)
-        raise CheckpointSaveError(f"save of step {step} failed and was not committed: {e}",
-                                  getattr(e, "failures", None) or {pi: str(e)}) from (error or e)
+        cls = CoordinationTimeoutError if isinstance(e, CoordinationTimeoutError) else CheckpointSaveError
+        raise cls(f"save of step {step} failed and was not committed: {e}",
+                  getattr(e, "failures", None) or {pi: str(e)}) from (error or e)
     failures = {p: s["err"] for p, s in enumerate(statuses) if not s["ok"]}
     outcome = b""
     if pi == 0:
@@ -181,7 +182,8 @@ def write_and_commit(store: Store, step: int, snap: Snapshot, items, *, coord: C
     try:
         failures = msgpack.unpackb(coord.broadcast(f"outcome/{step}/{token}", outcome, timeout_s), strict_map_key=False)
     except Exception as e:
-        raise CheckpointSaveError(f"save of step {step}: outcome unknown: {e}", {pi: str(e)}) from e
+        cls = CoordinationTimeoutError if isinstance(e, CoordinationTimeoutError) else CheckpointSaveError
+        raise cls(f"save of step {step}: outcome unknown: {e}", getattr(e, "failures", None) or {pi: str(e)}) from e
     if failures:
         lines = "; ".join(f"process {p}: {m}" for p, m in sorted(failures.items()))
         raise CheckpointSaveError(f"save of step {step} failed and was not committed ({lines})", failures) from error

@@ -216,7 +216,7 @@ def test_process_dies_mid_save_survivor_raises_nothing_committed_restart_resumes
     s = died[0]
     assert s.ok, s.describe()
     r = s.result
-    assert r["error_type"] == "CheckpointSaveError" and "not committed" in r["error"]
+    assert r["error_type"] == "CoordinationTimeoutError" and "not committed" in r["error"]   # a CheckpointSaveError
     assert f"within {timeout_s}s" in r["error"] and "process 1" in r["error"]
     assert "died or stuck" in r["failures"]["1"]
     assert r["steps"] == [1] and r["latest"] == 1
@@ -226,8 +226,10 @@ def test_process_dies_mid_save_survivor_raises_nothing_committed_restart_resumes
 @pytest.mark.slow
 def test_process_dies_before_first_barrier(tmp_path):
     died, _ = _die_then_resume(tmp_path, victim=1, phase="start")
-    assert died[0].ok and died[0].result["error_type"] == "CheckpointSaveError"
-    assert died[0].result["steps"] == [1]
+    r = died[0].result
+    assert died[0].ok and r["error_type"] == "CoordinationTimeoutError", died[0].describe()
+    assert "died or stuck" in r["failures"]["1"] and "silent: process 1" in r["error"]   # named at the barrier
+    assert r["steps"] == [1]
 
 
 @pytest.mark.slow
@@ -238,14 +240,15 @@ def test_coordinator_process_dies_mid_save(tmp_path):
     died, _ = _die_then_resume(tmp_path, victim=0)
     s = died[1]
     if s.ok:   # it raced JAX's fail-fast: its save must have raised (nothing committed: checked above)
-        assert s.result["error_type"] == "CheckpointSaveError" and s.result["steps"] == [1], s.result
+        assert s.result["error_type"] in ("CheckpointSaveError", "CoordinationTimeoutError"), s.result
+        assert s.result["steps"] == [1], s.result
 
 
 @pytest.mark.slow
 def test_one_of_four_processes_dies_mid_save(tmp_path):
     died, _ = _die_then_resume(tmp_path, victim=2, nprocs=4)
     for i in (0, 1, 3):
-        assert died[i].ok and died[i].result["error_type"] == "CheckpointSaveError", died[i].describe()
+        assert died[i].ok and died[i].result["error_type"] == "CoordinationTimeoutError", died[i].describe()
         assert died[i].result["steps"] == [1]
 
 
@@ -269,6 +272,8 @@ def test_coordination_failures_say_whether_a_wait_timed_out_or_the_service_is_go
         def key_value_set_bytes(self, key, data):
             raise RuntimeError(self.said)
 
+        key_value_dir_get_bytes = wait_at_barrier
+
     gone = coordination.JaxDistributed(Refusing("UNAVAILABLE: failed to connect to all addresses"), 1, 2)
     with pytest.raises(coordination.CoordinationTimeoutError, match="service .* is gone or refused it") as e:
         gone.barrier("b", 60)
@@ -279,6 +284,27 @@ def test_coordination_failures_say_whether_a_wait_timed_out_or_the_service_is_go
     with pytest.raises(coordination.CoordinationTimeoutError, match="did not complete within 60s") as e:
         late.broadcast("t", None, 60)
     assert "died or stuck" in e.value.failures[0]
+
+
+def test_a_barrier_that_times_out_names_the_processes_that_never_came():
+    class Store:   # process 1 of 4; processes 0 and 1 came, 2 and 3 never did
+        def __init__(self):
+            self.kv = {"ns/meta/7/at/0": b""}
+
+        def key_value_set_bytes(self, key, data):
+            self.kv[key] = data
+
+        def wait_at_barrier(self, key, ms):
+            raise RuntimeError("DEADLINE_EXCEEDED: Barrier timed out. Check the task logs.")
+
+        def key_value_dir_get_bytes(self, prefix):
+            return [(k, v) for k, v in self.kv.items() if k.startswith(prefix)]
+
+    c = coordination.JaxDistributed(Store(), 1, 4, "ns")
+    with pytest.raises(coordination.CoordinationTimeoutError, match=r"within 30s \(silent: process 2, 3\)") as e:
+        c.barrier("meta/7", 30)
+    assert sorted(e.value.failures) == [1, 2, 3] and "died or stuck" in e.value.failures[3]
+    assert isinstance(e.value, cc.CheckpointSaveError)
 
 
 @hypothesis.settings(max_examples=200, deadline=None)
