@@ -91,6 +91,8 @@ class JaxDistributed(Coordinator):
         return f"{self.namespace}/{name}"
 
     def _fail(self, what: str, timeout_s: float, e: Exception, peers=(), t0: float | None = None):
+        """Raise CoordinationTimeoutError; `peers` (or a function giving them, asked only on a
+        timeout) are the processes that sent nothing."""
         said = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
         waited = None if t0 is None else time.monotonic() - t0
         # a deadline that another process's wait ran out already, or a full wait here: a timeout;
@@ -104,6 +106,7 @@ class JaxDistributed(Coordinator):
                 f"coordination service (hosted by process 0) is gone or refused it, e.g. process 0 "
                 f"died. Coordination service said: {said}", who) from None
         who = {self.process_index: f"timeout in {what}"}
+        peers = peers() if callable(peers) else peers
         for p in peers:
             who[p] = f"sent nothing within {timeout_s:g}s (died or stuck)"
         silent = f" (silent: process {', '.join(map(str, peers))})" if peers else ""
@@ -132,7 +135,7 @@ class JaxDistributed(Coordinator):
             self.client.key_value_set_bytes(self._key(f"{name}/at/{self.process_index}"), b"")
             self.client.wait_at_barrier(self._key(name), max(1, int(timeout_s * 1000)))
         except Exception as e:  # noqa: BLE001
-            self._fail(f"barrier {name!r}", timeout_s, e, self._absent(f"{name}/at/"), t0)
+            self._fail(f"barrier {name!r}", timeout_s, e, lambda: self._absent(f"{name}/at/"), t0)
 
     def _absent(self, prefix: str) -> list:
         """The processes that have not set a key under `prefix` (none known if the service is gone)."""

@@ -415,8 +415,8 @@ class AsyncCheckpoint(keras.callbacks.Callback):
         here now, so that fit is over) or on a thread that has ended. Its lock would refuse ours."""
         ref = _OPEN.get(_dir_key(self.directory))
         other = ref() if ref is not None else None
-        if other is None or other is self or not other._open:
-            return
+        if other is None or other is self or not other._open or other.params is self.params:
+            return   # (the same `params`: two callbacks of this very fit; the lock refuses the second)
         thread = other._fit_thread
         if thread is threading.current_thread() or not thread.is_alive():
             log.warning("ckpt_callbacks: AsyncCheckpoint: closing the checkpoint manager that another "
@@ -435,6 +435,7 @@ class AsyncCheckpoint(keras.callbacks.Callback):
         self._data_saved = None
         self._monitor_warned = False
         self._replace = set()
+        self._last_loss = None   # the running loss of the last batch-end hook (`_skip_nonfinite`)
         step = self.manager.latest_step()
         if step is None:
             return
@@ -581,18 +582,24 @@ class AsyncCheckpoint(keras.callbacks.Callback):
         self._advance(done)
         if self.save_freq != "epoch" and self._since_save >= self.save_freq:
             self._since_save = 0
+            # the epoch's running loss as of the last batch-end hook (which may trail by a call)
+            if self._skip_nonfinite(self._last_loss, f"step {self._global_step} (inside epoch {self._epoch + 1})"):
+                return
             if self._save(self._epoch, self._batch, metrics=None):
                 self._mid_saved = self._global_step
 
     def on_train_batch_end(self, batch, logs=None):
-        # Off the main thread (async_safe): only records how far the epoch got, for on_epoch_end.
+        # Off the main thread (async_safe): only records how far the epoch got (and its running loss).
         # With steps_per_execution, Keras reports the last step of a call as begin + N - 1 even
         # when the epoch's data ran out inside it: never count beyond the epoch.
         ended = self._skip + int(batch) + 1
         if self._epoch_end is not None:
             ended = min(ended, self._epoch_end)
+        loss = (logs or {}).get("loss")   # Python floats here: Keras converts them on this thread
         with self._ended_lock:
             self._ended = max(self._ended, ended)
+            if isinstance(loss, (int, float)):
+                self._last_loss = float(loss)
 
     def _advance(self, done: int) -> None:
         """Count the steps of this epoch up to `done` (main thread)."""
@@ -625,14 +632,18 @@ class AsyncCheckpoint(keras.callbacks.Callback):
         # the data ended, and that call may have saved this very step mid-epoch (no metrics, the
         # epoch not ended): the epoch-end save replaces it.
         again, self._mid_saved = self._mid_saved == self._global_step, None
-        loss = metrics.get("loss")
-        if loss is not None and not math.isfinite(loss):
-            # weights that produced a NaN/inf loss are no place to resume from, and retention
-            # would make room for them by deleting a good step
-            log.warning("ckpt_callbacks: AsyncCheckpoint: not saving epoch %d: its loss is %s; the last "
-                        "step saved stays the one a resumed fit() starts from", epoch + 1, loss)
+        if self._skip_nonfinite(metrics.get("loss"), f"epoch {epoch + 1}"):
             return
         self._save(epoch + 1, 0, metrics=metrics, replace=again)
+
+    def _skip_nonfinite(self, loss, what: str) -> bool:
+        """Whether to skip a save because the loss is NaN or infinite: weights that produced it are
+        no place to resume from, and retention would delete a good step to make room for them."""
+        if loss is None or math.isfinite(loss):
+            return False
+        log.warning("ckpt_callbacks: AsyncCheckpoint: not saving %s: its loss is %s; the last step saved "
+                    "stays the one a resumed fit() starts from", what, loss)
+        return True
 
     def on_train_end(self, logs=None):
         self._exit_warn_ctx()

@@ -19,9 +19,9 @@ wait for it (so every process then sees the same committed steps). One save
 is in flight at a time: the next `save`, `wait_until_finished` or `close` waits for it and re-raises
 its failure. Start-up (process 0): check the directory is writable, take the writer lock, remove
 leftovers of crashed saves (only names this package creates); the other processes wait for its
-outcome and raise if it failed. A manager still open when the interpreter exits normally is
-closed then (before Python stops the thread pools its writer uses), so a save in flight commits,
-with a warning that `close` was not called. Multi-host details: docs/multihost.md.
+outcome and raise if it failed. A manager left open with a save in flight when the interpreter
+exits normally is closed then (before Python stops the thread pools its writer uses), so that
+save commits, with a warning that `close` was not called. Multi-host details: docs/multihost.md.
 
 Saving a step that is already committed never overwrites it: the save is skipped with a warning
 (the resumed-run case) and returns False; ``force=True`` replaces it: readers see the old step or
@@ -61,15 +61,26 @@ _exit_hook = False
 
 
 def _close_at_exit() -> None:
-    """At interpreter exit, close every manager left open: a save in flight commits instead of
-    being cut off with the process (its thread is a daemon). Runs as a threading exit hook, i.e.
-    before `concurrent.futures` stops the thread pools that the writer submits to."""
+    """At interpreter exit, close every manager left open with a save in flight: it commits
+    instead of being cut off with the process (its thread is a daemon). Runs as a threading exit
+    hook, i.e. before `concurrent.futures` stops the thread pools that the writer submits to, and
+    before non-daemon threads are joined: a manager whose last save came from such a thread, still
+    alive, is left to it. Managers with nothing in flight are left as they are (their lock is taken
+    over as stale, their leftovers go at the next start), after logging a failure nobody was told
+    of. A forked child forgets its parent's managers (`os.register_at_fork`)."""
     for m in list(_OPEN):
         if m._closed:
             continue
-        if m._thread is not None and m._thread.is_alive():
-            log.warning("ckpt_callbacks: the CheckpointManager of %s was not closed; finishing its save in "
-                        "flight at exit (call close(), or use it as a context manager)", m.store.url)
+        t, caller = m._thread, m._caller
+        if t is None or not t.is_alive():
+            if m._error is not None:
+                log.error("ckpt_callbacks: the last save to %s failed, and the CheckpointManager was not "
+                          "closed to say so: %s", m.store.url, m.store.redact(str(m._error)))
+            continue
+        if caller is not threading.main_thread() and caller.is_alive():
+            continue
+        log.warning("ckpt_callbacks: the CheckpointManager of %s was not closed; finishing its save in "
+                    "flight at exit (call close(), or use it as a context manager)", m.store.url)
         try:
             m.close()
         except BaseException as e:  # noqa: BLE001 - nobody is left to raise to
@@ -83,6 +94,7 @@ def _watch_exit(manager) -> None:
     if not _exit_hook:
         import concurrent.futures.thread  # noqa: F401 - registers its exit hook first: ours runs before it
         getattr(threading, "_register_atexit", atexit.register)(_close_at_exit)
+        os.register_at_fork(after_in_child=_OPEN.clear)   # the parent's managers are the parent's to close
         _exit_hook = True
 
 
@@ -171,6 +183,7 @@ class CheckpointManager:
         self._error: BaseException | None = None
         self._closed = False
         self._locked = False
+        self._caller: threading.Thread | None = None   # the thread of the last save
         if not read_only:
             self._start_up()
             _watch_exit(self)
@@ -222,6 +235,7 @@ class CheckpointManager:
             return False
         metrics = _check_metrics(metrics)
         self._wait()
+        self._caller = threading.current_thread()
         self._pool.recycle()   # the previous save's writer is joined: its copies are free again
         token, committed = self._agree_to_save(step)
         if committed and not replace:

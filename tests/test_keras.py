@@ -202,14 +202,17 @@ def test_a_fit_that_raises_never_leaves_the_directory_locked_for_the_next_callba
         _model(units=12).fit(x, y, batch_size=16, epochs=2, verbose=0, callbacks=[failed])
     assert not os.path.exists(os.path.join(ckdir, ".ckpt_callbacks.lock"))
 
-    class Boom(keras.callbacks.Callback):
+    class Boom(keras.callbacks.Callback):   # raises at the end of the first epoch it sees (after our save)
         def on_epoch_end(self, epoch, logs=None):
-            if epoch == 1:
-                raise RuntimeError("boom")
+            raise RuntimeError("boom")
 
-    left = AsyncCheckpoint(ckdir)   # Keras calls no on_train_end when fit() raises: its manager stays open
-    with pytest.raises(RuntimeError, match="boom"):
-        _model().fit(x, y, batch_size=16, epochs=4, verbose=0, callbacks=[left, Boom()])
+    def abandon(epochs):
+        left = AsyncCheckpoint(ckdir)   # Keras calls no on_train_end when fit() raises: its manager stays open
+        with pytest.raises(RuntimeError, match="boom"):
+            _model().fit(x, y, batch_size=16, epochs=epochs, verbose=0, callbacks=[left, Boom()])
+        return left
+
+    left = abandon(4)
     assert os.path.exists(os.path.join(ckdir, ".ckpt_callbacks.lock"))
     cb = AsyncCheckpoint(ckdir)
     with caplog.at_level("WARNING", logger="ckpt_callbacks"):
@@ -219,6 +222,17 @@ def test_a_fit_that_raises_never_leaves_the_directory_locked_for_the_next_callba
     assert not os.path.exists(os.path.join(ckdir, ".ckpt_callbacks.lock"))
     with pytest.raises(cc.CheckpointError, match="closed"):   # the abandoned callback's manager
         left.manager.save(99, {"x": 1})
+
+    t = threading.Thread(target=abandon, args=(5,))   # a fit that raised on a thread that has ended
+    t.start()
+    t.join()
+    cb = AsyncCheckpoint(ckdir)
+    _model().fit(x, y, batch_size=16, epochs=5, verbose=0, callbacks=[cb])
+    assert cb.resumed_step == 16 and cb.manager.latest_step() == 20
+
+    first, second = AsyncCheckpoint(ckdir), AsyncCheckpoint(ckdir)   # two of one fit: the second is refused
+    with pytest.raises(cc.CheckpointLockedError, match="already open for writing"):
+        _model().fit(x, y, batch_size=16, epochs=6, verbose=0, callbacks=[first, second])
 
 
 def test_an_epoch_whose_loss_is_not_finite_is_not_saved(ckdir, caplog):
@@ -233,10 +247,11 @@ def test_an_epoch_whose_loss_is_not_finite_is_not_saved(ckdir, caplog):
                 for v in model.trainable_variables:
                     v.assign(np.full(v.shape, np.nan, "float32"))
 
-    cb = AsyncCheckpoint(ckdir, keep_last=1)
+    cb = AsyncCheckpoint(ckdir, keep_last=1, save_freq=2, data=False)
     with caplog.at_level("WARNING", logger="ckpt_callbacks"):
         hist = model.fit(x, y, batch_size=16, epochs=4, verbose=0, callbacks=[Poison(), cb])
     assert np.isnan(hist.history["loss"][2]) and "not saving epoch 3: its loss is nan" in caplog.text
+    assert "not saving step 10 (inside epoch 3): its loss is nan" in caplog.text   # mid-epoch saves too
     assert cb.manager.all_steps() == [8]
     restored = cc.CheckpointManager(ckdir, read_only=True).restore(8)
     assert all(np.isfinite(v).all() for v in jax.tree_util.tree_leaves(restored["model"]["trainable_variables"]))

@@ -545,6 +545,34 @@ def test_a_manager_left_open_finishes_its_save_in_flight_at_exit_and_says_so(ckd
         np.testing.assert_array_equal(m.restore(2)["w"], np.full(300_000, 2.0))
 
 
+def test_a_forked_child_leaves_its_parents_managers_alone_at_exit(ckdir):
+    """A fork-started worker (multiprocessing, a data loader) inherits the parent's managers: at
+    its exit it must neither wait on the parent's writer pools (which do not exist in the child:
+    it hung) nor close, i.e. delete or unlock, anything of the parent's."""
+    code = ("import sys, time, multiprocessing as mp, numpy as np, ckpt_callbacks as cc, ckpt_callbacks.manager as mm\n"
+            "def work(i):\n    return i * i\n"
+            "if __name__ == '__main__':\n"
+            "    m = cc.CheckpointManager(sys.argv[1], retention=cc.KeepLast(1))\n"
+            "    for s in (1, 2, 3):\n        m.save(s, {'w': np.full(300_000, float(s))})\n"
+            "    real = mm.write_and_commit\n"
+            "    mm.write_and_commit = lambda *a, **k: (time.sleep(1.0), real(*a, **k))[1]\n"
+            "    m.save(4, {'w': np.full(300_000, 4.0)})   # in flight while the children start and end\n"
+            "    ctx = mp.get_context('fork')\n"
+            "    p = ctx.Process(target=work, args=(3,)); p.start(); p.join(60)\n"
+            "    with ctx.Pool(2) as pool:\n        print(pool.map(work, range(3)))\n"
+            "    print('child', p.exitcode, p.is_alive(), flush=True)\n"
+            "    m.close()\n")
+    script = os.path.join(os.path.dirname(ckdir), "fork_exit.py")
+    with open(script, "w") as f:
+        f.write(code)
+    r = subprocess.run([sys.executable, script, ckdir], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "child 0 False" in r.stdout, r.stdout + r.stderr
+    assert "was not closed" not in r.stderr, r.stderr
+    with cc.CheckpointManager(ckdir) as m:
+        assert m.all_steps() == [4]
+        np.testing.assert_array_equal(m.restore(4)["w"], np.full(300_000, 4.0))
+
+
 @pytest.mark.parametrize("kind", ["packed", "zarr"])
 def test_numpy_leaves_of_the_other_byte_order_restore_their_values(ckdir, kind):
     n = 5 if kind == "packed" else 300_000
