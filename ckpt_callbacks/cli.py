@@ -142,13 +142,17 @@ def cmd_ls(args, store, out) -> int:
                      "time": (m.get("time") if ok else None), "bytes": (m.get("bytes") if ok else None),
                      "size": store.size(s), "metrics": (m.get("metrics") or {}) if ok else {},
                      "best": s == best, "error": None if ok else str(m)})
-    partial = [{"name": n, "status": "partial"} for n in store.leftovers()]
+    back = store.recoverable()
+    partial = [{"name": n, "status": "partial"} if n not in back else
+               {"name": n, "status": "recoverable", "step": back[n]} for n in store.leftovers()]
     if args.json:
         _json({"directory": store.url, "steps": rows, "partial": partial,
                "best": {"step": best, **spec, "source": src} if spec else None}, out)
         out.write("\n")
         return 0
-    head = f"{store.url}: {len(steps)} committed, {len(partial)} partial"
+    n_back = sum(p["status"] == "recoverable" for p in partial)
+    head = f"{store.url}: {len(steps)} committed, {len(partial) - n_back} partial" + (
+        f", {n_back} recoverable" if n_back else "")
     if spec:
         head += (f"; best by {spec['metric']} ({spec.get('mode', 'min')}, from {src}): "
                  f"{best if best is not None else 'none reported the metric'}")
@@ -162,6 +166,10 @@ def cmd_ls(args, store, out) -> int:
         out.write(f"{r['step']:>10}  {r['status']:<10} {when:<19}  {_human(r['bytes']):>9} "
                   f"{_human(r['size']):>9}  {tail}\n")
     for p in partial:
+        if p["status"] == "recoverable":
+            out.write(f"{p['step']:>10}  recoverable {p['name']}  (the step itself: its forced replacement was "
+                      f"interrupted; put back when a manager or `gc` starts)\n")
+            continue
         out.write(f"{'':>10}  partial    {p['name']}  (staging of a save that is running or was interrupted; "
                   f"removed when a manager starts, or by `gc --remove-partial`)\n")
     return 0
@@ -297,6 +305,11 @@ def cmd_gc(args, store, out) -> int:
         lock.acquire(store.root)   # CheckpointLockedError while a live trainer writes here
         locked = True
     try:
+        # a step whose forced replacement died between its two renames exists only as `.old-`:
+        # put back first, as a manager's start-up does (never removed as a leftover)
+        back = store.recoverable()
+        if not args.dry_run:
+            store.recover()
         steps = store.committed_steps()
         ms = _manifests(store, steps)
         unreadable = [s for s in steps if not isinstance(ms[s], dict)]
@@ -305,8 +318,12 @@ def cmd_gc(args, store, out) -> int:
         damaged = _damaged_kept(store, policies, infos) if args.verify else {}
         keep = decide(policies, [i for i in infos if i.step not in damaged]) | set(unreadable) | set(damaged)
         delete = [s for s in steps if s not in keep]
-        partial = store.leftovers() if args.remove_partial else []
+        partial = [n for n in store.leftovers() if n not in back] if args.remove_partial else []
         verb = "would delete" if args.dry_run else "deleting"
+        for n, s in back.items():
+            out.write(f"  put back step {s} from {n} (its forced replacement was interrupted)\n" if not args.dry_run
+                      else f"  would put back step {s} from {n} (its forced replacement was interrupted; "
+                           f"not counted by this dry run)\n")
         out.write(f"{store.url}: {len(steps)} committed; keeping {sorted(keep)}\n")
         for s in unreadable:
             out.write(f"  step {s}: manifest unreadable, kept (run `ckpt-callbacks verify`)\n")

@@ -137,6 +137,10 @@ class Store:
         """Undo an interrupted forced replacement, where the backend can (POSIX); see LocalStore."""
         return []
 
+    def recoverable(self) -> dict[str, int]:
+        """The leftovers that `recover` would put back: {name: step}."""
+        return {}
+
     def remove(self, name: str) -> None:
         raise NotImplementedError
 
@@ -488,12 +492,11 @@ class LocalStore(Store):
         """At start-up, before leftovers are removed: put back a step whose forced replacement
         (`publish(replace=True)`) died between its two renames. Returns the steps put back."""
         back = []
-        for name in self.leftovers():
-            m = fmt.STAGING_RE.match(name)
-            final = self.path(fmt.step_name(int(m.group(1))))
-            if m.group(2) == "old" and not os.path.exists(final):
+        for name, step in self.recoverable().items():
+            final = self.path(fmt.step_name(step))
+            if not os.path.exists(final):   # (two `.old-` of one step: only the first goes back)
                 os.rename(self.path(name), final)
-                back.append(int(m.group(1)))
+                back.append(step)
         if back:
             self._fsync(self.root, directory=True)
         return back
@@ -553,6 +556,15 @@ class LocalStore(Store):
             if any(len(self._pool.get(n, ())) < sizes.count(n) for n in set(sizes)):
                 return None
             return [self._pool[n].pop() for n in sizes]
+
+    def recoverable(self) -> dict[str, int]:
+        found = {}
+        for name in self.leftovers():
+            m = fmt.STAGING_RE.match(name)
+            step = int(m.group(1))
+            if m.group(2) == "old" and not os.path.exists(self.path(fmt.step_name(step))):
+                found[name] = step
+        return found
 
     def drop_reusable(self, pool=None) -> None:
         with self._pool_lock:

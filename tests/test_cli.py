@@ -263,6 +263,24 @@ def test_gc_needs_a_policy_and_removes_partial_only_when_asked(ckpt, tmp_path):
     assert rc == 0 and open_store(d).leftovers() == [] and open_store(d).committed_steps() == [20, 30, 40]
 
 
+def test_a_step_left_only_as_old_by_an_interrupted_replacement_is_put_back_never_removed(ckpt, tmp_path, devices):
+    """force=True died between its two renames: the step exists only as `step_N.old-<hex>`.
+    `gc --remove-partial` removed it as a leftover, the only copy of a committed step."""
+    d = str(tmp_path / "run")
+    shutil.copytree(ckpt, d)
+    os.rename(os.path.join(d, "step_0000000040"), os.path.join(d, "step_0000000040.old-0123456789ab"))
+    os.makedirs(os.path.join(d, "step_0000000040.tmp-0123456789cd"))   # the unfinished replacement
+    rc, out, _ = run("ls", d)
+    assert rc == 0 and "1 partial, 1 recoverable" in out and "recoverable step_0000000040.old-" in out, out
+    rc, out, _ = run("gc", d, "--keep-last", "1", "--remove-partial", "--dry-run")
+    assert "would put back step 40" in out and "step_0000000040.old-0123456789ab" in os.listdir(d), out
+    rc, out, _ = run("gc", d, "--keep-last", "1", "--remove-partial")
+    assert rc == 0 and "put back step 40" in out and "deleting partial step_0000000040.tmp-" in out, out
+    assert open_store(d).committed_steps() == [40] and open_store(d).leftovers() == []
+    with cc.CheckpointManager(d, read_only=True) as m:
+        np.testing.assert_array_equal(m.restore(40)["params"]["b"], make_tree(40, devices)["params"]["b"])
+
+
 def test_gc_bad_flag_values_are_usage_errors(ckpt):
     with pytest.raises(SystemExit) as e:
         run("gc", ckpt, "--keep-best", "val_loss:median:2")
