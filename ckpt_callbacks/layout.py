@@ -51,20 +51,27 @@ def _divisors(n: int) -> list[int]:
     return [k for k in range(2, n + 1) if n % k == 0]
 
 
-def chunk_shape(shard: Sequence[int], itemsize: int, cap_bytes: int) -> tuple:
+def chunk_shape(shard: Sequence[int], itemsize: int, cap_bytes: int, whole: Sequence[bool] = ()) -> tuple:
     """Largest chunk that tiles `shard` exactly and holds at most `cap_bytes` (where possible).
 
     Dimensions are split from the first on, each by its smallest sufficient divisor, so chunks stay
-    aligned to shard boundaries and contiguous in C order.
+    aligned to shard boundaries and contiguous in C order. Where `whole[d]` (the shard spans the
+    array's whole dimension d: no shard boundary to keep) and no divisor comes near the split
+    needed (a prime extent would otherwise be cut into rows), the chunk is the extent over the
+    split, rounded up, and the array's last chunk is padded, as zarr allows.
     """
     c = [max(1, int(d)) for d in shard]
     for d in range(len(c)):
-        if math.prod(c) * itemsize <= cap_bytes:
+        total = math.prod(c) * itemsize
+        if total <= cap_bytes:
             break
-        for k in _divisors(c[d]):
-            if math.prod(c) // k * itemsize <= cap_bytes or k == c[d]:
-                c[d] //= k
-                break
+        need = -(-total // cap_bytes)   # the split this dimension alone would need
+        k = next((k for k in _divisors(c[d]) if k >= need), c[d])
+        if d < len(whole) and whole[d] and need < c[d] and k > 2 * need:
+            row = total // c[d]
+            c[d] = max(1, min(-(-c[d] // need), cap_bytes // row))
+        else:
+            c[d] //= k
     return tuple(c)
 
 

@@ -333,7 +333,7 @@ def plan(tree, *, coord: Coordinator | None = None,
                 split = pc > 1 and shard_bytes > SPLIT_MIN_BYTES and all(len(h) > 1 for h in holders)
                 cap = min(chunk_max_bytes, max(SPLIT_MIN_BYTES // 4, shard_bytes // (4 * pc))) if split \
                     else chunk_max_bytes
-                rec["ch"] = list(layout.chunk_shape(shard, itemsize, cap))
+                rec["ch"] = list(layout.chunk_shape(shard, itemsize, cap, [s == n for s, n in zip(shard, x.shape)]))
                 for (b, devs), procs in zip(boxes, holders):
                     for piece in (_pieces(b, rec["ch"]) if split else [b]):
                         box_items.append((math.prod(layout.box_shape(piece)) * itemsize, procs))

@@ -25,6 +25,24 @@ def test_chunks_tile_the_shard_exactly_and_respect_the_cap_when_possible(shard, 
         assert math.prod(c) * itemsize <= cap or any(k > 1 for k in c)
 
 
+@settings(max_examples=300, deadline=None)
+@given(shard=dims, itemsize=st.sampled_from([1, 2, 4, 8]), cap=st.integers(1, 1 << 20))
+def test_over_whole_array_dimensions_chunks_may_pad_the_edge_instead_of_cutting_rows(shard, itemsize, cap):
+    """A numpy leaf (or a dimension no mesh axis shards) of a prime extent: no divisor near the
+    split needed, so the chunk is the extent over that split and the last chunk is padded. Before,
+    such a dimension was cut into rows: (4099, 16411) bytes became 4,099 chunk files."""
+    c = layout.chunk_shape(shard, itemsize, cap, [True] * len(shard))
+    total = math.prod(shard) * itemsize
+    if total <= cap:
+        assert tuple(c) == tuple(shard)
+    elif itemsize <= cap:
+        assert math.prod(c) * itemsize <= cap
+        chunks = math.prod(-(-s // k) for s, k in zip(shard, c))
+        assert chunks <= 4 * -(-total // cap) + 2, (c, chunks)
+    assert layout.chunk_shape([4099, 16411], 1, 64 << 20, [True, True]) == (2050, 16411)
+    assert layout.chunk_shape([4099, 16411], 1, 64 << 20) == (1, 16411)   # a sharded dimension: divisors only
+
+
 @settings(max_examples=200, deadline=None)
 @given(items=st.lists(st.tuples(st.integers(0, 10**6), st.lists(st.integers(0, 3), min_size=1, max_size=4)),
                       max_size=30))

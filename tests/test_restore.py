@@ -199,6 +199,22 @@ def test_damaged_chunk_raises_corruption_naming_the_leaf(ckdir, damage):
     assert e.value.key_path == "['params']['w']"
 
 
+def test_a_zarr_json_with_big_endian_bytes_is_damage_never_a_wrong_read(ckdir):
+    """zarr.json has no checksum of its own: an edited endian made restore return byte-swapped
+    values and `verify` say ok (no crc32c codec: test_reliability.py)."""
+    codecs = [{"name": "bytes", "configuration": {"endian": "big"}}, {"name": "crc32c"}]
+    import json
+    from ckpt_callbacks import verify
+    save(ckdir, {"params": {"w": random_array((512, 1024), "float32", 0)}})
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(_chunk_files(ckdir)[0]))), "zarr.json")
+    meta = json.load(open(path))
+    meta["codecs"] = codecs
+    json.dump(meta, open(path, "w"))
+    with pytest.raises(cc.CorruptCheckpointError, match=r"\['params'\]\['w'\].*has codecs"):
+        cc.CheckpointManager(ckdir, read_only=True).restore()
+    assert verify.verify_step(open_store(ckdir), 1)
+
+
 def test_damaged_packed_leaf_and_manifest(ckdir):
     save(ckdir, {"a": np.arange(100), "b": np.ones(3)})
     blob = [os.path.join(dp, f) for dp, _, fs in os.walk(ckdir) for f in fs if "blobs" in dp][0]
@@ -438,6 +454,23 @@ def test_every_leaf_stored_as_a_zarr_array_roundtrips_including_0d(ckdir, monkey
                           if isinstance(v, jax.Array) else v, tree)
     got = cc.CheckpointManager(ckdir, read_only=True).restore(target=target)
     assert_tree_equal(jax.tree.map(np.asarray, got), jax.tree.map(np.asarray, tree))
+
+
+def test_a_prime_extent_is_chunked_with_a_padded_edge_chunk_and_restores_exactly(ckdir, monkeypatch):
+    from ckpt_callbacks import snapshot
+    monkeypatch.setitem(snapshot.plan.__kwdefaults__, "chunk_max_bytes", 64 << 10)
+    monkeypatch.setitem(snapshot.plan.__kwdefaults__, "pack_max_bytes", -1)
+    s = NamedSharding(mesh((4, 2)), P(None, "b"))   # dimension 0 sharded by no axis: whole
+    tree = {"np": random_array((1031, 67), "float32", 1), "x": jax.device_put(random_array((1031, 130), "int32", 2), s)}
+    save(ckdir, tree)
+    leaves = {r["p"][0][1]: r for r in restore_mod.read_manifest(open_store(ckdir), 1)["leaves"]}
+    assert leaves["np"]["ch"] == [207, 67] and leaves["x"]["ch"] == [207, 65]   # not [1, 67] / [1, 65]
+    with cc.CheckpointManager(ckdir, read_only=True) as m:
+        assert_tree_equal(m.restore(), jax.tree.map(np.asarray, tree))
+        got = m.restore(target={"np": np.zeros((1031, 67), np.float32), "x": jax.ShapeDtypeStruct((1031, 130), jnp.int32, sharding=s)})
+    assert_tree_equal(jax.tree.map(np.asarray, got), jax.tree.map(np.asarray, tree))
+    from ckpt_callbacks import verify
+    assert verify.verify_step(open_store(ckdir), 1) == []
 
 
 def test_a_target_leaf_jax_may_still_place_comes_back_so(ckdir):
