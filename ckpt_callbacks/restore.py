@@ -166,8 +166,12 @@ class leaf_reader:
             raise CorruptCheckpointError(f"{where}: array metadata {list(arr.shape)} {arr.dtype} chunks {chunks} "
                                          f"disagrees with the manifest {rec['sh']} {rec['dt']} {rec['ch']}", where)
         codecs = arr.spec().to_json().get("metadata", {}).get("codecs") or [{}]
-        if codecs[-1] != {"name": "crc32c"}:   # the format checksums every chunk: never read unchecked
-            raise CorruptCheckpointError(f"{where}: array {rec['z']} has no crc32c codec (codecs {codecs})", where)
+        # the format's codecs only: every chunk checksummed (never read unchecked), little-endian
+        # bytes (zarr.json has no checksum of its own: another codec there is damage, not a format)
+        if (len(codecs) != 2 or codecs[0].get("name") != "bytes" or codecs[1] != {"name": "crc32c"}
+                or (codecs[0].get("configuration") or {}).get("endian", "little") != "little"):
+            raise CorruptCheckpointError(f"{where}: array {rec['z']} has codecs {codecs}; the format has "
+                                         f"little-endian bytes then crc32c", where)
         self._check_backing(rec, where)
         return arr
 
