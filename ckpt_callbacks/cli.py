@@ -206,6 +206,25 @@ def _leaf_text(rec) -> tuple[str, int]:
     return f"{dt}{shape}  {_human(nbytes)}  {shard + '  ' if shard else ''}{where}", nbytes
 
 
+def _leaf_json(rec) -> dict:
+    """What `inspect --json` says of a leaf: as the text output, field by field."""
+    from . import treepath
+    d = {"path": treepath.keystr(tuple(map(tuple, rec["p"]))), "kind": rec["k"], "dtype": rec.get("dt"),
+         "shape": rec.get("sh"), "sharding": rec.get("sd"), "bytes": _leaf_text(rec)[1]}
+    if rec["k"] == "py":
+        v = rec.get("v")
+        d["type"] = type(v).__name__
+        d["value"] = v.hex() if isinstance(v, bytes) else v   # bytes as hex
+    if rec.get("prng"):   # dtype/shape are the key data's
+        d["prng"] = rec["prng"]
+        d["key_shape"] = rec["sh"][:len(rec["sh"]) - len(rec.get("kshape") or [])]
+    if rec["k"] == "array":
+        d.update(file=rec.get("z"), chunks=rec.get("ch"))
+    elif rec["k"] == "packed":
+        d["file"] = rec.get("b")
+    return d
+
+
 def cmd_inspect(args, store, out) -> int:
     from . import treepath
     from .restore import read_manifest
@@ -213,10 +232,9 @@ def cmd_inspect(args, store, out) -> int:
     m = read_manifest(store, step)
     recs = m["leaves"]
     if args.json:
-        leaves = [{"path": treepath.keystr(tuple(map(tuple, r["p"]))), "kind": r["k"], "dtype": r.get("dt"),
-                   "shape": r.get("sh"), "sharding": r.get("sd"), "bytes": _leaf_text(r)[1]} for r in recs]
         _json({"step": step, "time": m.get("time"), "bytes": m.get("bytes"), "metrics": m.get("metrics"),
-               "process_count": m.get("process_count"), "leaves": leaves}, out)
+               "process_count": m.get("process_count"), "host_state": sorted(m.get("host") or {}),
+               "leaves": [_leaf_json(r) for r in recs]}, out)
         out.write("\n")
         return 0
     when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(m.get("time", 0)))

@@ -117,6 +117,11 @@ def test_inspect_shows_paths_shapes_dtypes_shardings_bytes(ckpt):
     leaves = {leaf["path"]: leaf for leaf in data["leaves"]}
     assert leaves["['params']['w']"]["bytes"] == 512 * 1024 * 4
     assert leaves["['params']['w']"]["sharding"]["spec"] == ["data", "model"]
+    assert leaves["['params']['w']"]["file"].startswith("arrays/") and leaves["['params']['w']"]["chunks"]
+    assert leaves["['rng']"]["prng"] == "threefry2x32" and leaves["['rng']"]["key_shape"] == []
+    assert leaves["['rng']"]["shape"] == [2] and leaves["['params']['b']"]["file"].startswith("blobs/")
+    assert (leaves["['step']"]["type"], leaves["['step']"]["value"]) == ("int", 40)
+    assert leaves["['note']"]["kind"] == "none"
 
 
 def test_inspect_unknown_step_names_committed_steps(ckpt):
