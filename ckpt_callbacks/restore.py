@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
+import logging
 import math
 import os
 import threading
@@ -37,6 +38,8 @@ from . import chunkread, layout, treepath
 from .errors import (CheckpointNotFoundError, CorruptCheckpointError, IncompatibleCheckpointError,
                      StorageUnavailableError, read_failure)
 from .storage import Store
+
+log = logging.getLogger("ckpt_callbacks")
 
 __all__ = ["restore", "read_manifest", "read_host_state", "leaf_reader"]
 
@@ -372,6 +375,10 @@ def _restore(store: Store, step: int, target, m: dict):
         raise IncompatibleCheckpointError(
             f"step {step}: {len(problems)} leaf/leaves differ in kind, shape or dtype:\n{lines}\n"
             f"Fix: restore onto a target built like the saved state, or pass target=None.", problems)
+    for where, saved, wanted in treepath.class_changes(m["tree"], flat.skeleton):
+        log.warning("ckpt_callbacks: step %d: %s was saved as a %s and is restored into the target's %s "
+                    "(the same fields, so nothing refuses it); check that this is the state you meant, "
+                    "e.g. that the optimizer did not change", step, where, saved, wanted)
     reader.prefetch(recs)
     leaves = _put(_map(lambda it: _restore_leaf(reader, recs[it[0]], it[1]), list(zip(order, flat.leaves))))
     treedef = jax.tree_util.tree_structure(target, is_leaf=lambda x: x is None)

@@ -28,7 +28,7 @@ from jax import tree_util as jtu
 
 from .errors import IncompatibleCheckpointError
 
-__all__ = ["KeyPath", "Flat", "flatten", "rebuild", "keystr", "match"]
+__all__ = ["KeyPath", "Flat", "flatten", "rebuild", "keystr", "match", "class_changes"]
 
 KeyPath = tuple  # tuple of (kind, key) pairs
 
@@ -171,6 +171,22 @@ def match(saved_paths: list, target_paths: list) -> list[int]:
             f"{lines}{more}\nFix: build the target with the same structure as the saved tree, "
             f"or pass target=None to get the saved tree as host arrays.", mismatches)
     return order
+
+
+def class_changes(saved, target, path: KeyPath = ()) -> list[tuple[str, str, str]]:
+    """``(key path, saved class, target class)`` for each container at the same path of both
+    skeletons whose class names differ (NamedTuples and other registered nodes: an optax
+    `ScaleByAdamState` restored into a `ScaleByBeliefState` has the same fields, so `match`
+    accepts it). Names compare without their module: a script's `__main__.State` is `State`."""
+    if "c" not in saved or "c" not in target:
+        return []
+    a, b = saved.get("n") or "", target.get("n") or ""
+    out = [(keystr(path), a, b)] if a and b and a.rsplit(".", 1)[-1] != b.rsplit(".", 1)[-1] else []
+    kids = {tuple(e): child for e, child in target["c"]}
+    for e, child in saved["c"]:
+        if (other := kids.get(tuple(e))) is not None:
+            out += class_changes(child, other, path + (tuple(e),))
+    return out
 
 
 def is_prng_key(x) -> bool:

@@ -473,6 +473,22 @@ def test_a_prime_extent_is_chunked_with_a_padded_edge_chunk_and_restores_exactly
     assert verify.verify_step(open_store(ckdir), 1) == []
 
 
+def test_a_container_restored_into_another_class_with_the_same_fields_is_warned_about(ckdir, caplog):
+    """adam's state restored into adabelief's: the same fields (count, mu, nu), so the key paths
+    match; the values mean something else. Not refused (classes get renamed), but said."""
+    import optax
+    params = {"w": jnp.ones(3)}
+    save(ckdir, {"opt": optax.adam(1e-3).init(params)})
+    m = cc.CheckpointManager(ckdir, read_only=True)
+    with caplog.at_level("WARNING", logger="ckpt_callbacks"):
+        m.restore(target={"opt": optax.adam(1e-3).init(params)})
+    assert "was saved as" not in caplog.text
+    with caplog.at_level("WARNING", logger="ckpt_callbacks"):
+        m.restore(target={"opt": optax.adabelief(1e-3).init(params)})
+    assert ("['opt'][0] was saved as a ScaleByAdamState and is restored into the target's ScaleByBeliefState"
+            in caplog.text), caplog.text
+
+
 def test_a_target_leaf_jax_may_still_place_comes_back_so(ckdir):
     """optax's `count` (``jnp.zeros([], int32)``) and arrays never put on a device explicitly are
     uncommitted: jit moves them next to the sharded arrays they meet. Restored pinned to the default
