@@ -56,7 +56,7 @@ __all__ = ["CheckpointManager"]
 
 log = logging.getLogger("ckpt_callbacks")
 
-_OPEN: weakref.WeakSet = weakref.WeakSet()   # managers not closed yet: `_close_at_exit` closes them
+_OPEN: weakref.WeakSet = weakref.WeakSet()   # writing managers of this process, for `_close_at_exit`
 _exit_hook = False
 
 
