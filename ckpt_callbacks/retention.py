@@ -78,14 +78,12 @@ class KeepSteps(Policy):
 
     def __init__(self, steps: Iterable[int]):
         try:
-            if isinstance(steps, (str, bytes)):
-                raise TypeError
-            steps = list(steps)
-        except TypeError:
-            raise ConfigError(f"keep_steps must be a list of non-negative ints, got {steps!r}") from None
-        if not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in steps):
-            raise ConfigError(f"keep_steps must be a list of non-negative ints, got {steps!r}")
-        object.__setattr__(self, "steps", frozenset(steps))
+            items = None if isinstance(steps, (str, bytes)) else list(steps)
+        except TypeError:   # not a collection: an int, None
+            items = None
+        if items is None or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in items):
+            raise ConfigError(f"keep_steps must be a list of non-negative ints, got {steps if items is None else items!r}")
+        object.__setattr__(self, "steps", frozenset(items))
 
     def keep(self, infos):
         return {i.step for i in infos if i.step in self.steps}

@@ -161,9 +161,8 @@ def write_and_commit(store: Store, step: int, snap: Snapshot, items, *, coord: C
     except Exception as e:
         if pi == 0:  # only process 0 commits or removes the (shared) staging data; leftovers go at start-up
             _abort(store, staging)
-        cls = CoordinationTimeoutError if isinstance(e, CoordinationTimeoutError) else CheckpointSaveError
-        raise cls(f"save of step {step} failed and was not committed: {e}",
-                  getattr(e, "failures", None) or {pi: str(e)}) from (error or e)
+        raise _save_error(e)(f"save of step {step} failed and was not committed: {e}",
+                             getattr(e, "failures", None) or {pi: str(e)}) from (error or e)
     failures = {p: s["err"] for p, s in enumerate(statuses) if not s["ok"]}
     outcome = b""
     if pi == 0:
@@ -182,8 +181,8 @@ def write_and_commit(store: Store, step: int, snap: Snapshot, items, *, coord: C
     try:
         failures = msgpack.unpackb(coord.broadcast(f"outcome/{step}/{token}", outcome, timeout_s), strict_map_key=False)
     except Exception as e:
-        cls = CoordinationTimeoutError if isinstance(e, CoordinationTimeoutError) else CheckpointSaveError
-        raise cls(f"save of step {step}: outcome unknown: {e}", getattr(e, "failures", None) or {pi: str(e)}) from e
+        raise _save_error(e)(f"save of step {step}: outcome unknown: {e}",
+                             getattr(e, "failures", None) or {pi: str(e)}) from e
     if failures:
         lines = "; ".join(f"process {p}: {m}" for p, m in sorted(failures.items()))
         raise CheckpointSaveError(f"save of step {step} failed and was not committed ({lines})", failures) from error
@@ -193,6 +192,11 @@ def write_and_commit(store: Store, step: int, snap: Snapshot, items, *, coord: C
                      total_s=now - snap.started, bytes_written=written, bytes_total=snap.bytes_total,
                      files=files + (1 if pi == 0 else 0), process_index=pi,
                      peak_staging_bytes=budget.peak if budget else 0)
+
+
+def _save_error(e: Exception) -> type:
+    """The class a save failed by `e` raises: a coordination timeout stays one (a peer is gone)."""
+    return CoordinationTimeoutError if isinstance(e, CoordinationTimeoutError) else CheckpointSaveError
 
 
 def _abort(store: Store, staging: str | None) -> None:
