@@ -66,8 +66,19 @@ __all__ = ["AsyncCheckpoint", "ResumableDataset"]
 
 log = logging.getLogger("ckpt_callbacks")
 
-# directory -> the AsyncCheckpoint whose manager was opened there last (see `_close_abandoned`)
+# directory -> (the AsyncCheckpoint that opened a manager there last, weakly; that manager; the
+# thread its fit ran on), see `_close_abandoned`. The manager is held strongly: the callback of a
+# fit that raised may be collected before its manager is, which would keep the lock.
 _OPEN: dict = {}
+
+
+def _close_manager(manager: CheckpointManager, raise_errors: bool) -> None:
+    try:
+        manager.close()
+    except Exception as e:  # noqa: BLE001
+        if raise_errors:
+            raise
+        log.warning("ckpt_callbacks: the previous fit()'s last save failed: %s", e)
 
 
 def _dir_key(directory) -> str:
@@ -402,7 +413,7 @@ class AsyncCheckpoint(keras.callbacks.Callback):
                                          async_save=self.async_save, max_staging_bytes=self.max_staging_bytes)
         self._open = True
         self._fit_thread = threading.current_thread()
-        _OPEN[_dir_key(self.directory)] = weakref.ref(self)
+        _OPEN[_dir_key(self.directory)] = (weakref.ref(self), self.manager, self._fit_thread)
         try:
             self._resume()
         except BaseException:   # nothing trains: the directory is free again for a fixed model or callback
@@ -412,16 +423,22 @@ class AsyncCheckpoint(keras.callbacks.Callback):
     def _close_abandoned(self) -> None:
         """Close the manager that another AsyncCheckpoint left open on this directory when its
         fit() raised (Keras then calls no on_train_end): one whose fit ran on this thread (which is
-        here now, so that fit is over) or on a thread that has ended. Its lock would refuse ours."""
-        ref = _OPEN.get(_dir_key(self.directory))
-        other = ref() if ref is not None else None
-        if other is None or other is self or not other._open or other.params is self.params:
+        here now, so that fit is over) or on a thread that has ended, even if that callback has been
+        garbage-collected since. Its lock would refuse ours."""
+        entry = _OPEN.get(_dir_key(self.directory))
+        if entry is None:
+            return
+        ref, manager, thread = entry
+        other = ref()
+        if other is self or manager._closed or (other is not None and other.params is self.params):
             return   # (the same `params`: two callbacks of this very fit; the lock refuses the second)
-        thread = other._fit_thread
         if thread is threading.current_thread() or not thread.is_alive():
             log.warning("ckpt_callbacks: AsyncCheckpoint: closing the checkpoint manager that another "
                         "AsyncCheckpoint left open on %s (its fit() raised)", self.directory)
-            other._close(raise_errors=False)
+            if other is not None:
+                other._close(raise_errors=False)
+            else:
+                _close_manager(manager, raise_errors=False)
 
     def _resume(self) -> None:
         """This fit()'s run state from scratch, then the restore of the latest step (if any)."""
@@ -698,9 +715,7 @@ class AsyncCheckpoint(keras.callbacks.Callback):
         if self.manager is None or not self._open:
             return
         self._open = False
-        try:
-            self.manager.close()
-        except Exception as e:  # noqa: BLE001
-            if raise_errors:
-                raise
-            log.warning("ckpt_callbacks: the previous fit()'s last save failed: %s", e)
+        entry = _OPEN.get(_dir_key(self.directory))
+        if entry is not None and entry[1] is self.manager:
+            del _OPEN[_dir_key(self.directory)]
+        _close_manager(self.manager, raise_errors)

@@ -4,6 +4,7 @@ The interruption tests run tests/keras_train_script.py in subprocesses, SIGKILL 
 unchanged and compare its final state bit for bit with a run that never had a checkpoint callback.
 """
 
+import gc
 import json
 import os
 import signal
@@ -11,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
 
@@ -230,9 +232,19 @@ def test_a_fit_that_raises_never_leaves_the_directory_locked_for_the_next_callba
     _model().fit(x, y, batch_size=16, epochs=5, verbose=0, callbacks=[cb])
     assert cb.resumed_step == 16 and cb.manager.latest_step() == 20
 
+    held = []   # that callback garbage-collected while its manager lives on (held here, or in a cycle)
+    t = threading.Thread(target=lambda: held.extend((lambda cb: (weakref.ref(cb), cb.manager))(abandon(6))))
+    t.start()
+    t.join()
+    gc.collect()
+    assert held[0]() is None   # the callback is gone
+    cb = AsyncCheckpoint(ckdir)
+    _model().fit(x, y, batch_size=16, epochs=7, verbose=0, callbacks=[cb])
+    assert cb.resumed_step == 24 and cb.manager.latest_step() == 28 and held[1]._closed
+
     first, second = AsyncCheckpoint(ckdir), AsyncCheckpoint(ckdir)   # two of one fit: the second is refused
     with pytest.raises(cc.CheckpointLockedError, match="already open for writing"):
-        _model().fit(x, y, batch_size=16, epochs=6, verbose=0, callbacks=[first, second])
+        _model().fit(x, y, batch_size=16, epochs=8, verbose=0, callbacks=[first, second])
 
 
 def test_an_epoch_whose_loss_is_not_finite_is_not_saved(ckdir, caplog):
