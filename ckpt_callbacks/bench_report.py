@@ -120,6 +120,10 @@ def _f(x, fmt="{:.3f}"):
     return "-" if x is None else fmt.format(x)
 
 
+def _ms(x):
+    return None if x is None else 1e3 * x
+
+
 def _pct(x):
     return _f(None if x is None else 100 * x, "{:+.1f}%")
 
@@ -182,11 +186,17 @@ def render(result) -> str:
                                      "read/needed", "n"], lines))
         elif wl == "fit":
             lines = [[r["peer"], _f(r["fit_s"]), _pct(r.get("overhead")), _pct(r.get("round_overhead")),
-                      r.get("repeats", "")] for r in cell]
+                      _f(r.get("cpu_s")), _f(_ms(r.get("cpu_overhead")), "{:+.0f}"), r.get("repeats", "")] for r in cell]
             if lines:
                 parts.append(f"(state {nbytes / MiB:.0f} MiB incl. optimizer; fit of {cell[0]['case']}; "
-                             f"overhead: best round vs best round; median/round: median of each round's)")
-                parts.append(_table(["callback", "fit s", "overhead", "median/round", "n"], lines))
+                             f"overhead: best round vs best round; median/round: median of each round's; "
+                             f"cpu: process CPU per fit, median; +cpu ms: median of each round's)")
+                parts.append(_table(["callback", "fit s", "overhead", "median/round", "cpu s", "+cpu ms", "n"], lines))
+            e = _find(rows, wl, st, ENGINE)
+            if e and e.get("blocking_s") is not None:
+                parts.append(f"{ENGINE} per fit (medians): blocking {_ms(e['blocking_s']):.0f} ms in the epoch-end "
+                             f"saves; the last save's background part {_ms(e['last_save_s']):.0f} ms "
+                             f"(on_train_end waits for what is left of it)")
         parts += skipped + [""]
     tg = result.get("targets") or []
     if tg:

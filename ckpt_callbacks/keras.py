@@ -66,9 +66,9 @@ __all__ = ["AsyncCheckpoint", "ResumableDataset"]
 
 log = logging.getLogger("ckpt_callbacks")
 
-# directory -> (the AsyncCheckpoint that opened a manager there last, weakly; that manager; the
-# thread its fit ran on), see `_close_abandoned`. The manager is held strongly: the callback of a
-# fit that raised may be collected before its manager is, which would keep the lock.
+# directory -> (the AsyncCheckpoint that opened a manager there last, that manager, both weakly; the
+# thread its fit ran on), see `_close_abandoned`. The callback of a fit that raised may be collected
+# before its manager is (whose lock holds the directory until it is closed or collected).
 _OPEN: dict = {}
 
 
@@ -413,7 +413,7 @@ class AsyncCheckpoint(keras.callbacks.Callback):
                                          async_save=self.async_save, max_staging_bytes=self.max_staging_bytes)
         self._open = True
         self._fit_thread = threading.current_thread()
-        _OPEN[_dir_key(self.directory)] = (weakref.ref(self), self.manager, self._fit_thread)
+        _OPEN[_dir_key(self.directory)] = (weakref.ref(self), weakref.ref(self.manager), self._fit_thread)
         try:
             self._resume()
         except BaseException:   # nothing trains: the directory is free again for a fixed model or callback
@@ -428,9 +428,9 @@ class AsyncCheckpoint(keras.callbacks.Callback):
         entry = _OPEN.get(_dir_key(self.directory))
         if entry is None:
             return
-        ref, manager, thread = entry
-        other = ref()
-        if other is self or manager._closed or (other is not None and other.params is self.params):
+        ref, manager_ref, thread = entry
+        other, manager = ref(), manager_ref()
+        if other is self or manager is None or manager._closed or (other is not None and other.params is self.params):
             return   # (the same `params`: two callbacks of this very fit; the lock refuses the second)
         if thread is threading.current_thread() or not thread.is_alive():
             log.warning("ckpt_callbacks: AsyncCheckpoint: closing the checkpoint manager that another "
@@ -716,6 +716,6 @@ class AsyncCheckpoint(keras.callbacks.Callback):
             return
         self._open = False
         entry = _OPEN.get(_dir_key(self.directory))
-        if entry is not None and entry[1] is self.manager:
+        if entry is not None and entry[1]() is self.manager:
             del _OPEN[_dir_key(self.directory)]
         _close_manager(self.manager, raise_errors)

@@ -135,6 +135,10 @@ class _Gate:
                 pass
 
 
+class _PortTaken(RuntimeError):
+    pass
+
+
 class Emulator:
     """Owns one server subprocess on 127.0.0.1 (start, outage, stop)."""
 
@@ -146,6 +150,7 @@ class Emulator:
         self.endpoint = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen | None = None
         self.gate = _Gate(self.port, self.server_port)
+        self._log_from = 0   # where this start's part of the server log begins
 
     def _cmd(self) -> list[str]:
         if self.kind == "s3":
@@ -154,12 +159,24 @@ class Emulator:
                 "--in-memory", "--default-bucket", BUCKET, "-q"]
 
     def start(self, timeout_s: float = 60.0) -> None:
-        log = open(os.path.join(self.workdir, f"{self.kind}-server.log"), "ab")
-        self.proc = subprocess.Popen(self._cmd(), stdout=log, stderr=subprocess.STDOUT, cwd=self.workdir,
-                                     env={k: v for k, v in os.environ.items() if k not in _PROXY_VARS})
-        log.close()
+        """Start the server; where another process took its port since `free_port` picked it (the
+        server logs "Address already in use"), start it again on another port, up to 3 times."""
         self.gate.open()
-        self._wait_ready(timeout_s)
+        for attempt in range(3):
+            log_path = os.path.join(self.workdir, f"{self.kind}-server.log")
+            self._log_from = os.path.getsize(log_path) if os.path.exists(log_path) else 0
+            with open(log_path, "ab") as log:
+                self.proc = subprocess.Popen(self._cmd(), stdout=log, stderr=subprocess.STDOUT, cwd=self.workdir,
+                                             env={k: v for k, v in os.environ.items() if k not in _PROXY_VARS})
+            try:
+                self._wait_ready(timeout_s)
+                break
+            except _PortTaken:
+                self.proc.kill()
+                self.proc.wait()
+                if attempt == 2:
+                    raise
+                self.server_port = self.gate.backend_port = free_port()
         if self.kind == "s3":
             status = _http("PUT", f"{self.endpoint}/{BUCKET}")
             assert status == 200, f"creating bucket {BUCKET} on moto: HTTP {status}"
@@ -168,6 +185,8 @@ class Emulator:
         deadline = time.monotonic() + timeout_s
         probe = f"{self.endpoint}/" if self.kind == "s3" else f"{self.endpoint}/storage/v1/b/{BUCKET}"
         while True:
+            if self._port_taken():
+                raise _PortTaken(f"{self.kind} emulator: port {self.server_port} is taken")
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{self.kind} emulator exited with {self.proc.returncode}; see "
                                    f"{self.workdir}/{self.kind}-server.log")
@@ -179,6 +198,14 @@ class Emulator:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{self.kind} emulator did not answer on {self.endpoint} in {timeout_s}s")
             time.sleep(0.05)
+
+    def _port_taken(self) -> bool:
+        try:
+            with open(os.path.join(self.workdir, f"{self.kind}-server.log"), "rb") as f:
+                f.seek(self._log_from)
+                return b"Address already in use" in f.read()
+        except OSError:
+            return False
 
     @contextlib.contextmanager
     def outage(self):

@@ -95,10 +95,12 @@ def test_fit_compares_callbacks_against_no_callback(result, storage):
     else:
         assert not rows["ckpt_callbacks"].get("skipped")
         assert rows["ckpt_callbacks"]["files"] >= 1         # it really saved
+        assert rows["ckpt_callbacks"]["blocking_s"] > 0 and rows["ckpt_callbacks"]["last_save_s"] > 0
     assert rows["none"]["round_overhead"] == 0.0
     for r in rows.values():
         if not r.get("skipped"):
             assert r["fit_s"] > 0 and r["bytes"] > 0 and r["overhead"] > -1 and r["round_overhead"] > -1
+            assert r["cpu_s"] > 0 and r["cpu_overhead"] is not None
 
 
 def test_targets_and_table_cover_every_workload(result):
@@ -113,7 +115,8 @@ def test_targets_and_table_cover_every_workload(result):
     assert m["cpus"] >= 1 and m["jax"] and "tmpfs_fs" in m and "disk_fs" in m
     text = render(result)
     for head in ("== big on tmpfs", "== small on disk", "== reshard on disk", "== memory on tmpfs",
-                 "== fit on disk", "== targets", "ours/peer blk/dur/rst", "read/needed", "overhead"):
+                 "== fit on disk", "== targets", "ours/peer blk/dur/rst", "read/needed", "overhead", "+cpu ms",
+                 "ckpt_callbacks per fit (medians): blocking"):
         assert head in text, head
 
 
@@ -217,7 +220,7 @@ def test_each_timed_fit_starts_after_a_full_garbage_collection(tmp_path, monkeyp
     events = []
     monkeypatch.setattr(bench_fit, "gc", types.SimpleNamespace(collect=lambda: events.append("gc")))
     monkeypatch.setattr(bench_fit, "time", types.SimpleNamespace(
-        perf_counter=lambda: events.append("clock") or real_time.perf_counter()))
+        perf_counter=lambda: events.append("clock") or real_time.perf_counter(), process_time=real_time.process_time))
     ctx = bw.Context(root=str(tmp_path), storage="disk", scale=0.001, fit_epochs=1, fit_repeats=2, log=lambda m: None)
     rows = bench_fit.run(ctx, bw._row)
     timed = [r for r in rows if not r.get("skipped")]
