@@ -7,13 +7,15 @@ Example::
     release("/tmp/run")
 
 Who calls what: `CheckpointManager` on process 0, at start (acquire) and in `close` (release).
-A lock whose owner is on this host and no longer alive is stale and is taken over. Locks on other
-hosts cannot be checked for liveness; remove the file by hand if its owner is gone
-(the message says so). Object stores have no lock (see docs/storage.md).
+A lock whose owner is on this host and no longer alive is stale and is taken over, and so is a
+lock file that holds no readable owner for 2 s (an older version's writer killed while creating
+it). Locks on other hosts cannot be checked for liveness; remove the file by hand if its owner is
+gone (the message says so). Object stores have no lock (see docs/storage.md).
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import socket
@@ -24,6 +26,7 @@ from .errors import CheckpointLockedError
 __all__ = ["acquire", "release", "LOCK_NAME"]
 
 LOCK_NAME = ".ckpt_callbacks.lock"
+_UNREADABLE_S = 2.0   # a lock file without a readable owner for this long is stale
 
 
 def _alive(pid: int) -> bool:
@@ -43,6 +46,37 @@ def _alive(pid: int) -> bool:
 _HELD: set = set()   # roots this process holds: one writer per directory within a process too
 
 
+def _create(path: str, me: dict) -> bool:
+    """Create the lock file holding `me`, or return False if it exists. The owner is written to
+    a file of our own first and linked into place, so the lock never exists without its owner
+    (a process killed while taking it leaves no empty lock); where the file system has no hard
+    links, created in place (``O_EXCL``) and written."""
+    tmp = f"{path}.new-{me['host']}-{me['pid']}-{os.urandom(4).hex()}"
+    with open(tmp, "w") as f:
+        json.dump(me, f)
+        f.flush()
+        os.fsync(f.fileno())
+    try:
+        os.link(tmp, path)
+        return True
+    except FileExistsError:
+        return False
+    except OSError as e:
+        if e.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOSYS, errno.EMLINK):
+            raise
+    finally:
+        os.unlink(tmp)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError:
+        return False
+    with os.fdopen(fd, "w") as f:
+        json.dump(me, f)
+        f.flush()
+        os.fsync(f.fileno())
+    return True
+
+
 def acquire(root: str) -> None:
     path = os.path.join(root, LOCK_NAME)
     if os.path.realpath(root) in _HELD:
@@ -50,40 +84,81 @@ def acquire(root: str) -> None:
             f"{root} is already open for writing by another CheckpointManager in this process "
             f"(pid {os.getpid()}); close() it first, or open this one with read_only=True")
     me = {"host": socket.gethostname(), "pid": os.getpid(), "time": time.time()}
-    for _ in range(3):
+    _sweep(root, me["host"])
+    deadline, takeovers = time.monotonic() + _UNREADABLE_S, 0
+    while takeovers < 3:
+        if _create(path, me):
+            _HELD.add(os.path.realpath(root))
+            return
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        except FileExistsError:
-            try:
-                with open(path) as f:
-                    owner = json.load(f)
-            except (OSError, ValueError):
-                owner = {}
-            host, pid = owner.get("host"), owner.get("pid")
-            if host == me["host"] and pid == me["pid"]:
-                _HELD.add(os.path.realpath(root))   # left by an earlier manager of ours that was never closed
-                return
-            if host == me["host"] and isinstance(pid, int) and not _alive(pid):
-                try:  # stale: its owner died; take it over atomically
-                    os.rename(path, f"{path}.stale-{os.getpid()}")
-                    os.unlink(f"{path}.stale-{os.getpid()}")
-                except FileNotFoundError:
-                    pass
-                continue
-            if not owner:
-                time.sleep(0.05)  # being written right now
-                continue
-            raise CheckpointLockedError(
-                f"{root} is being written by another process (host {host}, pid {pid}, since "
-                f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(owner.get('time', 0)))}). "
-                f"Use another directory, stop that process, or delete {path} if it is gone.")
-        with os.fdopen(fd, "w") as f:
-            json.dump(me, f)
-            f.flush()
-            os.fsync(f.fileno())
-        _HELD.add(os.path.realpath(root))
-        return
+            with open(path, "rb") as f:
+                data = f.read()
+        except FileNotFoundError:
+            continue   # released meanwhile
+        try:
+            owner = json.loads(data)
+        except ValueError:
+            owner = {}
+        owner = owner if isinstance(owner, dict) else {}
+        host, pid = owner.get("host"), owner.get("pid")
+        if host == me["host"] and pid == me["pid"]:
+            _HELD.add(os.path.realpath(root))   # left by an earlier manager of ours that was never closed
+            return
+        if not owner and time.monotonic() < deadline:
+            time.sleep(0.05)   # being written by an `O_EXCL` writer (no hard links) right now
+            continue
+        if not owner or (host == me["host"] and isinstance(pid, int) and not _alive(pid)):
+            # stale: its owner died (or it stayed without one: a writer of an older version of
+            # this package killed between creating and writing it)
+            _take_over(path, me["host"], data)
+            takeovers += 1
+            continue
+        raise CheckpointLockedError(
+            f"{root} is being written by another process (host {host}, pid {pid}, since "
+            f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(owner.get('time', 0)))}). "
+            f"Use another directory, stop that process, or delete {path} if it is gone.")
     raise CheckpointLockedError(f"could not take the lock {path}")
+
+
+def _take_over(path: str, host: str, stale: bytes) -> None:
+    """Remove the stale lock whose content is `stale`, atomically: of several processes doing so at
+    once, one renames it away; one that finds it renamed a lock taken meanwhile links that back."""
+    mine = f"{path}.stale-{host}-{os.getpid()}"
+    try:
+        os.rename(path, mine)
+    except FileNotFoundError:
+        return
+    try:
+        with open(mine, "rb") as f:
+            taken = f.read() != stale
+        if taken:
+            os.link(mine, path)
+    except OSError:
+        pass
+    finally:
+        os.unlink(mine)
+
+
+def _sweep(root: str, host: str) -> None:
+    """Remove the lock's scratch files (``.new-``, ``.stale-``) that dead processes of this host
+    left, killed between creating and removing one."""
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return
+    for name in names:
+        for kind in (".new-", ".stale-"):
+            if not name.startswith(LOCK_NAME + kind):
+                continue
+            rest = name[len(LOCK_NAME + kind):]
+            if kind == ".new-":
+                rest = rest.rsplit("-", 1)[0]
+            who, _, pid = rest.rpartition("-")
+            if who == host and pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+                try:
+                    os.unlink(os.path.join(root, name))
+                except OSError:
+                    pass
 
 
 def release(root: str) -> None:
