@@ -37,6 +37,9 @@ credentials and atomicity.
 from __future__ import annotations
 
 import concurrent.futures
+import ctypes
+import errno
+import functools
 import os
 import re
 import shutil
@@ -290,6 +293,31 @@ def _dir_stamps(top: str, dirs: list[str]) -> dict:
     return out
 
 
+def _exchange(a: str, b: str) -> bool:
+    """Swap two existing paths in one atomic step (Linux ``renameat2`` with ``RENAME_EXCHANGE``);
+    False where the C library or the file system has no such call."""
+    fn = _renameat2()
+    if fn is None:
+        return False
+    if fn(-100, os.fsencode(a), -100, os.fsencode(b), 2) == 0:   # AT_FDCWD, RENAME_EXCHANGE
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EPERM):
+        return False
+    raise OSError(err, os.strerror(err), a)
+
+
+@functools.lru_cache(maxsize=1)
+def _renameat2():
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = (ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint)
+    fn.restype = ctypes.c_int
+    return fn
+
+
 class LocalStore(Store):
     """A POSIX directory; commit by atomic rename of a staging directory."""
 
@@ -480,6 +508,10 @@ class LocalStore(Store):
         if os.path.exists(final):
             if not replace:
                 raise CheckpointError(f"{final} already exists")
+            if _exchange(self.path(staging), final):   # one atomic step: readers never miss the step
+                self._fsync(self.root, directory=True)
+                shutil.rmtree(self.path(staging), ignore_errors=True)   # the old copy (a leftover if we die)
+                return
             # `.old-`, not `.del-`: if we die before the next rename, `recover` puts it back
             old = f"{fmt.step_name(step)}.old-{os.urandom(6).hex()}"
             os.rename(final, self.path(old))
@@ -502,6 +534,13 @@ class LocalStore(Store):
         return back
 
     def delete(self, step: int, reuse: bool = False) -> None:
+        # first the copies its forced replacements left (`.old-`, superseded while `step_N` is
+        # there): once `step_N` is gone, `recover` would put such a copy back
+        for name in self.leftovers():
+            if name.startswith(fmt.step_name(step) + ".old-"):
+                shutil.rmtree(self.path(name), ignore_errors=True)
+                if os.path.exists(self.path(name)):
+                    raise CheckpointError(f"could not remove {self.path(name)} before deleting step {step}")
         hidden = f"{fmt.step_name(step)}.del-{os.urandom(6).hex()}"
         try:
             os.rename(self.path(fmt.step_name(step)), self.path(hidden))

@@ -286,6 +286,24 @@ def test_a_step_left_only_as_old_by_an_interrupted_replacement_is_put_back_never
         np.testing.assert_array_equal(m.restore(40)["params"]["b"], make_tree(40, devices)["params"]["b"])
 
 
+def test_gc_never_brings_back_a_replaced_copy_of_a_step_it_deleted(ckpt, tmp_path, devices):
+    """force=True died after its commit, while removing the replaced copy (`step_N.old-*`, torn):
+    `gc` deleted step_N and the next start put the stale, torn copy back as step N."""
+    d = str(tmp_path / "run")
+    shutil.copytree(ckpt, d)
+    old = os.path.join(d, "step_0000000030.old-0123456789ab")
+    shutil.copytree(os.path.join(d, "step_0000000030"), old)
+    shutil.rmtree(os.path.join(old, "arrays"))   # half removed
+    rc, out, _ = run("ls", d)
+    assert rc == 0 and "recoverable" not in out, out
+    rc, out, _ = run("gc", d, "--keep-last", "1")
+    assert rc == 0 and "deleting step 30" in out and "put back" not in out, out
+    assert not os.path.exists(old)
+    with cc.CheckpointManager(d) as m:
+        assert m.all_steps() == [40]
+    assert open_store(d).leftovers() == []
+
+
 def test_gc_bad_flag_values_are_usage_errors(ckpt):
     with pytest.raises(SystemExit) as e:
         run("gc", ckpt, "--keep-best", "val_loss:median:2")

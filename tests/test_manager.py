@@ -178,6 +178,27 @@ def test_interrupted_forced_replacement_puts_the_old_step_back(ckdir):
     assert sorted(n for n in os.listdir(ckdir) if n.startswith("step_")) == ["step_0000000003"]
 
 
+def test_a_forced_replacement_swaps_the_step_in_one_step_where_the_system_can(ckdir, monkeypatch):
+    """With two renames, a reader (or a crash) between them saw the step missing: the latest
+    step went back for readers until a writer put the old copy back."""
+    from ckpt_callbacks import storage
+    renames = []
+    real = os.rename
+    monkeypatch.setattr(storage.os, "rename", lambda a, b: renames.append(b) or real(a, b))
+    with cc.CheckpointManager(ckdir) as m:
+        m.save(3, tree(3))
+        m.save(3, {"x": np.zeros(4, np.float32), "step": -1}, force=True)
+        m.wait_until_finished()
+        assert not [b for b in renames if ".old-" in b]
+        np.testing.assert_array_equal(m.restore(3)["x"], np.zeros(4, np.float32))
+        monkeypatch.setattr(storage, "_exchange", lambda a, b: False)   # no renameat2: two renames
+        m.save(3, tree(3), force=True)
+        m.wait_until_finished()
+        assert [b for b in renames if ".old-" in b]
+        np.testing.assert_array_equal(m.restore(3)["x"], tree(3)["x"])
+    assert sorted(n for n in os.listdir(ckdir) if n.startswith("step_")) == ["step_0000000003"]
+
+
 def test_a_second_writer_in_the_same_process_is_refused(ckdir):
     m = cc.CheckpointManager(ckdir)
     m.save(1, tree(1))
