@@ -124,9 +124,11 @@ def write_and_commit(store: Store, step: int, snap: Snapshot, items, *, coord: C
             staging = store.begin(step, token, lead=pi == 0, reuse_tree=True)
             # a reused directory: first only the chunk files this save will write again may stay
             # there (a leaf of another rank wants a file where a directory is, or the reverse),
-            # and the zarr.json files whose bytes this process knows (`_Arrays.create` keeps those
-            # that hold them); any other zarr.json goes, for tensorstore to create it anew
-            keep = {f for f in _array_files(snap.records) if not f.endswith("/zarr.json")}
+            # but no padded edge chunk (tensorstore reads such a file to write it: a stale one of
+            # another leaf fails the save), and the zarr.json files whose bytes this process
+            # knows (`_Arrays.create` keeps those that hold them); any other zarr.json goes, for
+            # tensorstore to create it anew
+            keep = {f for f in _array_files(snap.records, padded=False) if not f.endswith("/zarr.json")}
             arrays = _Arrays(store, staging, snap)
             keep |= {f"{snap.records[i]['z']}/zarr.json" for i in arrays.known}
             store.prune(staging, keep | {"blobs/", "host/"}, pool=workers and workers.fsync, last=False)
@@ -526,14 +528,16 @@ def _consume(store, staging, snap, items, arrays, budget, workers):
     return written, files, packed_info, sorted(mine), synced
 
 
-def _array_files(records) -> set:
-    """The zarr.json and chunk files of the array leaves among `records` (relative to the step)."""
+def _array_files(records, padded: bool = True) -> set:
+    """The zarr.json and chunk files of the array leaves among `records` (relative to the step);
+    without the chunks that stick out of their array's shape unless `padded`."""
     out = set()
     for rec in records:
         if "z" in rec:
             out.add(f"{rec['z']}/zarr.json")
             grid = layout.chunks_of([(0, n) for n in rec["sh"]], rec["ch"])
-            out.update(f"{rec['z']}/{fmt.chunk_key(idx)}" for idx in grid)
+            out.update(f"{rec['z']}/{fmt.chunk_key(idx)}" for idx in grid
+                       if padded or all((i + 1) * c <= n for i, c, n in zip(idx, rec["ch"], rec["sh"])))
     return out
 
 

@@ -298,6 +298,26 @@ def _listing(top):
     return {os.path.relpath(d, top): sorted((e.name, e.inode()) for e in os.scandir(d)) for d, _, _ in os.walk(top)}
 
 
+def test_a_padded_edge_chunk_is_never_written_over_a_reused_directorys_stale_chunk_file(ckdir, monkeypatch):
+    """On a disk the next save takes the directory retention deleted; tensorstore writes a
+    leaf's padded last chunk by reading the file there first: another leaf's stale chunk file
+    failed the save (its checksum, or its size)."""
+    from ckpt_callbacks import snapshot
+    skip_without_direct_io(ckdir)
+    monkeypatch.setitem(snapshot.plan.__kwdefaults__, "chunk_max_bytes", 64 << 10)
+    monkeypatch.setitem(snapshot.plan.__kwdefaults__, "pack_max_bytes", -1)
+    m = cc.CheckpointManager(ckdir, retention=cc.KeepLast(1), async_save=False)
+    m.store.direct_io, m.store.in_memory = True, False   # as LocalStore decides on a disk
+    even = np.arange(2 * 65536, dtype=np.int64).astype(np.uint8)    # whole chunks
+    odd = np.full(131063, 7, np.uint8)     # a prime extent: chunks of 65532, the last padded
+    trees = {1: {"a": even}, 2: {"a": odd}, 3: {"a": odd + 1}, 4: {"a": even[::-1].copy()}, 5: {"a": odd + 2}}
+    for k, t in trees.items():
+        m.save(k, t)                      # 3 and 5 into the directory of 1 and 3: c/1 was even's
+        np.testing.assert_array_equal(m.restore(k)["a"], t["a"])
+    assert m.all_steps() == [5]
+    m.close()
+
+
 def test_a_save_into_a_reused_directory_fsyncs_exactly_the_directories_whose_entries_changed(ckdir, monkeypatch):
     """On a disk, save k + 3 is written into the directory of step k (KeepLast(2)). A directory
     whose entries are those step k committed is durable already and is not fsynced again; every
