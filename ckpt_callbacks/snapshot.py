@@ -253,6 +253,11 @@ def _classify(path, x) -> dict:
     elif isinstance(x, (np.ndarray, np.generic, jax.Array)):
         if isinstance(x, np.ndarray) and x.dtype == object:
             raise InvalidTreeError(f"at {where}: numpy arrays of dtype object cannot be saved")
+        if isinstance(x, np.ma.MaskedArray):
+            raise InvalidTreeError(f"at {where}: a numpy masked array would lose its mask; save its "
+                                   f"`.data` and `np.ma.getmaskarray(x)` as two leaves")
+        if x.ndim > fmt.MAX_NDIM:
+            raise InvalidTreeError(f"at {where}: {x.ndim} dimensions; the format holds at most {fmt.MAX_NDIM}")
         if isinstance(x, jax.Array) and x.is_deleted():
             raise InvalidTreeError(f"at {where}: this jax.Array was deleted (donated to a jitted step, or "
                                    f"`.delete()`d); save the arrays the step returned")

@@ -150,3 +150,18 @@ def test_a_deleted_jax_array_is_an_invalid_tree_naming_the_key_path(ckdir):
         with pytest.raises(cc.InvalidTreeError, match=r"at \['opt'\]\[1\]: this jax.Array was deleted"):
             m.save(1, {"opt": [jnp.zeros(2), gone]})
         assert m.all_steps() == []
+
+
+@pytest.mark.parametrize("leaf,message", [
+    (np.ma.masked_array([1.0, 2.0, -999.0], mask=[0, 0, 1]), "a numpy masked array would lose its mask"),
+    (np.zeros((1,) * 33, np.float32), "33 dimensions; the format holds at most 32"),            # packed
+    (np.zeros((2,) * 20 + (1,) * 13, np.float32), "33 dimensions; the format holds at most 32"),  # a zarr array
+])
+def test_leaves_the_format_cannot_hold_as_they_are_are_refused_at_save_naming_the_key_path(ckdir, leaf, message):
+    """A masked array was saved without its mask (restored with the masked values); a leaf of more
+    than 32 dimensions (numpy 2 allows 64) committed a step that no restore could read, or failed
+    in the writer without a key path."""
+    with cc.CheckpointManager(ckdir) as m:
+        with pytest.raises(cc.InvalidTreeError, match=r"at \['opt'\]\[1\]: " + message):
+            m.save(1, {"opt": [np.zeros(2), leaf]})
+        assert m.all_steps() == []
