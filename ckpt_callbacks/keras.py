@@ -70,6 +70,7 @@ log = logging.getLogger("ckpt_callbacks")
 # thread its fit ran on), see `_close_abandoned`. The callback of a fit that raised may be collected
 # before its manager is (whose lock holds the directory until it is closed or collected).
 _OPEN: dict = {}
+_HOOK_WAIT_S = 60.0   # how long a mid-epoch save waits for the batch-end hook of its last step
 
 
 def _close_manager(manager: CheckpointManager, raise_errors: bool) -> None:
@@ -448,6 +449,8 @@ class AsyncCheckpoint(keras.callbacks.Callback):
         self._since_save, self._skip, self._ended = 0, 0, 0
         self._mid_saved = None   # the step a mid-epoch save of this epoch took, if any
         self._ended_lock = threading.Lock()
+        self._ended_changed = threading.Condition(self._ended_lock)
+        self._loss_at = 0   # the step (within the epoch) whose batch-end hook set `_last_loss`
         self._resume_at, self._resumed_metrics = None, None
         self._data_saved = None
         self._monitor_warned = False
@@ -569,7 +572,7 @@ class AsyncCheckpoint(keras.callbacks.Callback):
         self._resume_at = None
         self._epoch, self._batch, self._skip = epoch, skip, skip
         with self._ended_lock:
-            self._ended = skip
+            self._ended, self._loss_at = skip, skip   # (`_last_loss` stays the last epoch's until a step ends)
         if isinstance(self.data, ResumableDataset):
             self.data.set_position(epoch, skip)
         if skip:
@@ -599,8 +602,12 @@ class AsyncCheckpoint(keras.callbacks.Callback):
         self._advance(done)
         if self.save_freq != "epoch" and self._since_save >= self.save_freq:
             self._since_save = 0
-            # the epoch's running loss as of the last batch-end hook (which may trail by a call)
-            if self._skip_nonfinite(self._last_loss, f"step {self._global_step} (inside epoch {self._epoch + 1})"):
+            # the epoch's running loss after the last step run (Keras may run batch-end hooks on
+            # its own threads, in any order: wait for that step's, as the save waits for the step)
+            with self._ended_changed:
+                self._ended_changed.wait_for(lambda: self._loss_at >= done, timeout=_HOOK_WAIT_S)
+                loss = self._last_loss
+            if self._skip_nonfinite(loss, f"step {self._global_step} (inside epoch {self._epoch + 1})"):
                 return
             if self._save(self._epoch, self._batch, metrics=None):
                 self._mid_saved = self._global_step
@@ -613,10 +620,12 @@ class AsyncCheckpoint(keras.callbacks.Callback):
         if self._epoch_end is not None:
             ended = min(ended, self._epoch_end)
         loss = (logs or {}).get("loss")   # Python floats here: Keras converts them on this thread
-        with self._ended_lock:
+        with self._ended_changed:
             self._ended = max(self._ended, ended)
-            if isinstance(loss, (int, float)):
-                self._last_loss = float(loss)
+            if ended > self._loss_at:   # (the running loss of the latest step, whichever hook runs last)
+                self._loss_at = ended
+                self._last_loss = float(loss) if isinstance(loss, (int, float)) else None
+            self._ended_changed.notify_all()
 
     def _advance(self, done: int) -> None:
         """Count the steps of this epoch up to `done` (main thread)."""

@@ -259,9 +259,15 @@ def test_an_epoch_whose_loss_is_not_finite_is_not_saved(ckdir, caplog):
                 for v in model.trainable_variables:
                     v.assign(np.full(v.shape, np.nan, "float32"))
 
+    class Slow(keras.callbacks.Callback):   # batch-end hooks that lag behind the steps (Keras runs them
+        async_safe = True                   # on its own threads): a mid-epoch save read a stale loss
+
+        def on_train_batch_end(self, batch, logs=None):
+            time.sleep(0.2)
+
     cb = AsyncCheckpoint(ckdir, keep_last=1, save_freq=2, data=False)
     with caplog.at_level("WARNING", logger="ckpt_callbacks"):
-        hist = model.fit(x, y, batch_size=16, epochs=4, verbose=0, callbacks=[Poison(), cb])
+        hist = model.fit(x, y, batch_size=16, epochs=4, verbose=0, callbacks=[Poison(), Slow(), cb])
     assert np.isnan(hist.history["loss"][2]) and "not saving epoch 3: its loss is nan" in caplog.text
     assert "not saving step 10 (inside epoch 3): its loss is nan" in caplog.text   # mid-epoch saves too
     assert cb.manager.all_steps() == [8]
