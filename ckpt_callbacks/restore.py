@@ -318,10 +318,13 @@ def _check(rec: dict, t, where: str) -> tuple | None:
     if kind == "other":
         return (where, _expected(rec), f"unsupported target leaf {type(t).__name__}")
     if treepath.is_prng_key(t):
-        data = jax.eval_shape(jax.random.key_data, t)
-        if rec.get("prng") and list(data.shape) == rec["sh"] and fmt.dtype_name(data.dtype) == rec["dt"]:
+        impl = []   # the target's implementation (`key_impl` takes arrays only: a tracer is one)
+        data = jax.eval_shape(lambda k: impl.append(str(jax.random.key_impl(k))) or jax.random.key_data(k), t)
+        if (rec.get("prng") == impl[0] and list(data.shape) == rec["sh"]
+                and fmt.dtype_name(data.dtype) == rec["dt"]):
             return None
-        return (where, _expected(rec), f"PRNG key{list(t.shape)} (key data {fmt.dtype_name(data.dtype)}{list(data.shape)})")
+        return (where, _expected(rec), f"key<{impl[0]}>{list(t.shape)} (key data {fmt.dtype_name(data.dtype)}"
+                                       f"{list(data.shape)})")
     if rec.get("prng") or list(t.shape) != rec["sh"] or fmt.dtype_name(t.dtype) != rec["dt"]:
         return (where, _expected(rec), f"{fmt.dtype_name(t.dtype)}{list(t.shape)}")
     return None
@@ -373,7 +376,7 @@ def _restore(store: Store, step: int, target, m: dict):
     if problems:
         lines = "\n".join(f"  {w}: checkpoint has {a}, target expects {b}" for w, a, b in problems[:50])
         raise IncompatibleCheckpointError(
-            f"step {step}: {len(problems)} leaf/leaves differ in kind, shape or dtype:\n{lines}\n"
+            f"step {step}: {len(problems)} leaf/leaves differ in kind, shape, dtype or PRNG implementation:\n{lines}\n"
             f"Fix: restore onto a target built like the saved state, or pass target=None.", problems)
     for where, saved, wanted in treepath.class_changes(m["tree"], flat.skeleton):
         log.warning("ckpt_callbacks: step %d: %s was saved as a %s and is restored into the target's %s "

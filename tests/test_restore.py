@@ -509,3 +509,27 @@ def test_a_target_leaf_jax_may_still_place_comes_back_so(ckdir):
     step = jax.jit(lambda t: (t["w"] * t["count"] + t["n"], t["b"] + t["count"]))
     np.testing.assert_array_equal(step(out)[0], np.full((8, 4), 5.0))   # raised before: incompatible devices
     assert int(out["n"]) == 5
+
+
+def _no_reads(monkeypatch):
+    """Fail the test if restore reads any leaf (its target checks come before every read)."""
+    def read(*a, **k):
+        raise AssertionError("a leaf was read before the target was refused")
+    for name in ("prefetch", "read_box", "read_boxes"):
+        monkeypatch.setattr(restore_mod.leaf_reader, name, read)
+
+
+def test_prng_keys_onto_a_target_of_another_implementation_are_refused(ckdir, monkeypatch):
+    """rbg and unsafe_rbg keys have the same key data (uint32[4]): the keys came back rbg, silently."""
+    keys = jax.random.split(jax.random.key(0, impl="rbg"), 4)
+    save(ckdir, {"k": keys, "one": jax.random.key(1, impl="rbg")})
+    m = cc.CheckpointManager(ckdir, read_only=True)
+    assert jax.random.key_impl(m.restore(target={"k": keys, "one": None})["k"]) == jax.random.key_impl(keys)
+    _no_reads(monkeypatch)
+    other = {"k": jax.eval_shape(lambda: jax.random.split(jax.random.key(0, impl="unsafe_rbg"), 4)),
+             "one": jax.random.key(1, impl="threefry2x32")}
+    with pytest.raises(cc.IncompatibleCheckpointError) as e:
+        m.restore(target=other)
+    msg = str(e.value)
+    assert "['k']: checkpoint has key<rbg>[4], target expects key<unsafe_rbg>[4] (key data uint32[4, 4])" in msg
+    assert "['one']: checkpoint has key<rbg>[], target expects key<threefry2x32>[] (key data uint32[2])" in msg
