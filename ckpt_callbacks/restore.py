@@ -305,12 +305,10 @@ def _check(rec: dict, t, where: str) -> tuple | None:
     if rec["k"] == "py":
         ok = (_family(t) == _family(rec["v"]) if kind == "host"
               else kind in ("numpy", "jax") and _fits_0d(rec["v"], t))
-        if ok:
-            return None
         has = f"{type(t).__name__}" + (" value" if kind == "host" else "")
         if kind in ("numpy", "jax") and not treepath.is_prng_key(t):
             has = f"{fmt.dtype_name(t.dtype)}{list(t.shape)}"
-        return (where, _expected(rec), has)
+        return _unplaceable(t, where, _expected(rec), has) if ok else (where, _expected(rec), has)
     if kind == "host":   # a Python number stands for a 0-d numeric array (a step counter after jit)
         ok = (_family(t) == "number" and rec["sh"] == [] and not rec.get("prng")
               and fmt.logical_dtype(rec["dt"]).kind != "c")
@@ -322,11 +320,24 @@ def _check(rec: dict, t, where: str) -> tuple | None:
         data = jax.eval_shape(lambda k: impl.append(str(jax.random.key_impl(k))) or jax.random.key_data(k), t)
         if (rec.get("prng") == impl[0] and list(data.shape) == rec["sh"]
                 and fmt.dtype_name(data.dtype) == rec["dt"]):
-            return None
+            return _unplaceable(t, where, _expected(rec), f"key<{impl[0]}>{list(t.shape)}")
         return (where, _expected(rec), f"key<{impl[0]}>{list(t.shape)} (key data {fmt.dtype_name(data.dtype)}"
                                        f"{list(data.shape)})")
     if rec.get("prng") or list(t.shape) != rec["sh"] or fmt.dtype_name(t.dtype) != rec["dt"]:
         return (where, _expected(rec), f"{fmt.dtype_name(t.dtype)}{list(t.shape)}")
+    return _unplaceable(t, where, _expected(rec), f"{fmt.dtype_name(t.dtype)}{list(t.shape)}")
+
+
+def _unplaceable(t, where: str, expected: str, has: str) -> tuple | None:
+    """The problem, if jax cannot make the array that target leaf `t` asks for (`has`: its dtype and
+    shape, those saved): a 64-bit dtype with jax_enable_x64 off (jax would make int64 int32 and
+    float64 float32: wrong values, silently)."""
+    if _target_kind(t) != "jax":
+        return None
+    if not treepath.is_prng_key(t) and (canon := jax.dtypes.canonicalize_dtype(t.dtype)) != t.dtype:
+        return (where, expected, f"{has} on jax, which makes it {fmt.dtype_name(canon)} (wrong values) while "
+                                 f"jax_enable_x64 is off (enable jax_enable_x64, or restore it onto a numpy "
+                                 f"array target or None: host numpy)")
     return None
 
 
@@ -376,7 +387,8 @@ def _restore(store: Store, step: int, target, m: dict):
     if problems:
         lines = "\n".join(f"  {w}: checkpoint has {a}, target expects {b}" for w, a, b in problems[:50])
         raise IncompatibleCheckpointError(
-            f"step {step}: {len(problems)} leaf/leaves differ in kind, shape, dtype or PRNG implementation:\n{lines}\n"
+            f"step {step}: {len(problems)} leaf/leaves do not fit the target (kind, shape, dtype, PRNG "
+            f"implementation, or what jax can make):\n{lines}\n"
             f"Fix: restore onto a target built like the saved state, or pass target=None.", problems)
     for where, saved, wanted in treepath.class_changes(m["tree"], flat.skeleton):
         log.warning("ckpt_callbacks: step %d: %s was saved as a %s and is restored into the target's %s "

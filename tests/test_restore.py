@@ -533,3 +533,32 @@ def test_prng_keys_onto_a_target_of_another_implementation_are_refused(ckdir, mo
     msg = str(e.value)
     assert "['k']: checkpoint has key<rbg>[4], target expects key<unsafe_rbg>[4] (key data uint32[4, 4])" in msg
     assert "['one']: checkpoint has key<rbg>[], target expects key<threefry2x32>[] (key data uint32[2])" in msg
+
+
+def test_a_64_bit_jax_target_without_x64_is_refused_before_reading(ckdir, monkeypatch):
+    """With jax_enable_x64 off jax makes int64 int32 and float64 float32: an int64 leaf restored onto
+    `ShapeDtypeStruct(int64)` came back int32 with wrong values, float64 as float32 (inf, 0)."""
+    if jax.config.jax_enable_x64:
+        pytest.skip("jax_enable_x64 is on")
+    big = np.arange(2 ** 18, dtype=np.int64) * (2 ** 33 + 1)   # a zarr array
+    saved = {"count": np.array([2 ** 40 + 7, -3], np.int64), "f": np.array([1e300, 1e-300]), "big": big,
+             "n": 2 ** 40, "w": np.ones(3, np.float32)}
+    save(ckdir, saved)
+    m = cc.CheckpointManager(ckdir, read_only=True)
+    sh = NamedSharding(mesh((2, 4)), P("a"))
+    sds = {"count": jax.ShapeDtypeStruct((2,), np.int64), "f": jax.ShapeDtypeStruct((2,), np.float64),
+           "big": jax.ShapeDtypeStruct(big.shape, np.int64, sharding=sh),
+           "n": jax.ShapeDtypeStruct((), np.int64, sharding=NamedSharding(sh.mesh, P())),
+           "w": jax.ShapeDtypeStruct((3,), np.float32)}
+    # onto numpy targets, or None, 64-bit leaves come back as they were saved
+    assert_tree_equal(m.restore(target={**saved, "n": 0}), saved)
+    assert_tree_equal(m.restore(target=dict.fromkeys(saved)), saved)
+    _no_reads(monkeypatch)
+    with pytest.raises(cc.IncompatibleCheckpointError) as e:
+        m.restore(target=sds)
+    msg = str(e.value)
+    assert [w for w, _, _ in e.value.mismatches] == ["['big']", "['count']", "['f']", "['n']"], msg
+    assert "['count']: checkpoint has int64[2], target expects int64[2] on jax, which makes it int32" in msg
+    assert "['f']: checkpoint has float64[2], target expects float64[2] on jax, which makes it float32" in msg
+    assert "['n']: checkpoint has int value, target expects int64[] on jax" in msg
+    assert msg.count("jax_enable_x64 is off") == 4 and "numpy array target" in msg, msg
