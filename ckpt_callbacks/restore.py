@@ -401,7 +401,9 @@ def _restore(store: Store, step: int, target, m: dict):
 
 
 class _Put(tuple):
-    """A whole host array bound for a fully addressable sharding: transferred in one batch."""
+    """A whole host array bound for a fully addressable sharding, or for None (jax places it,
+    uncommitted): transferred in one batch, in the calling thread (under its jax config:
+    `jax.enable_x64` holds for one thread)."""
 
     def __new__(cls, host, sharding):
         return super().__new__(cls, (host, sharding))
@@ -462,7 +464,7 @@ def _restore_leaf(reader: leaf_reader, rec: dict, t):
             value = _host_value(rec, data)
             if t is not None and kind == "host" and isinstance(value, np.ndarray) and value.shape == ():
                 value = value[()]   # a Python number's place: a numpy scalar, hashable, immutable
-        return jax.device_put(value) if kind == "jax" and not rec.get("prng") else value
+        return _Put(value, None) if kind == "jax" and not rec.get("prng") else value
     sharding = t.sharding
     if rec.get("prng"):
         return _restore_keys(rec, reader.read_box(rec, full), sharding)
@@ -511,9 +513,10 @@ def _py_onto(v, t, kind: str):
     if kind == "numpy":
         return _like_numpy_target(value, t)
     if _placement_free(t):
-        return jax.device_put(value)
-    sharding = t.sharding
-    return jax.make_array_from_callback((), sharding, lambda idx: value[idx])
+        return _Put(value, None)
+    if t.sharding.is_fully_addressable:
+        return _Put(value, t.sharding)
+    return jax.make_array_from_callback((), t.sharding, lambda idx: value[idx])
 
 
 def _restore_keys(rec: dict, data: np.ndarray, sharding):

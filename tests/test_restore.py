@@ -562,3 +562,24 @@ def test_a_64_bit_jax_target_without_x64_is_refused_before_reading(ckdir, monkey
     assert "['f']: checkpoint has float64[2], target expects float64[2] on jax, which makes it float32" in msg
     assert "['n']: checkpoint has int value, target expects int64[] on jax" in msg
     assert msg.count("jax_enable_x64 is off") == 4 and "numpy array target" in msg, msg
+
+
+def test_64_bit_leaves_onto_jax_targets_under_enable_x64_come_back_exactly(ckdir):
+    """`jax.enable_x64` holds for the calling thread only: the target check passed there, but the
+    leaves put on devices on the restore's reading threads came back int32 (wrong values)."""
+    enable_x64 = getattr(jax, "enable_x64", None)
+    if enable_x64 is None:
+        pytest.skip("this JAX has no jax.enable_x64")
+    saved = {"count": np.array([2 ** 40 + 7, -3], np.int64), "f": np.array([1e300, 1e-300]), "n": 2 ** 40,
+             "p": 2 ** 40, "big": np.arange(2 ** 18, dtype=np.int64) * (2 ** 33 + 1)}
+    save(ckdir, saved)
+    rep = NamedSharding(mesh((2, 4)), P())
+    target = {"count": jax.ShapeDtypeStruct((2,), np.int64), "f": jax.ShapeDtypeStruct((2,), np.float64),
+              "n": jax.ShapeDtypeStruct((), np.int64), "p": jax.ShapeDtypeStruct((), np.int64, sharding=rep),
+              "big": jax.ShapeDtypeStruct((2 ** 18,), np.int64, sharding=NamedSharding(rep.mesh, P("a")))}
+    with enable_x64(True):
+        out = cc.CheckpointManager(ckdir, read_only=True).restore(target=target)
+    for k, v in out.items():
+        assert v.dtype == target[k].dtype, (k, v.dtype)
+        np.testing.assert_array_equal(np.asarray(v), saved[k])
+    assert not out["n"].committed and out["p"].sharding == rep
