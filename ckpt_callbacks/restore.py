@@ -331,13 +331,22 @@ def _check(rec: dict, t, where: str) -> tuple | None:
 def _unplaceable(t, where: str, expected: str, has: str) -> tuple | None:
     """The problem, if jax cannot make the array that target leaf `t` asks for (`has`: its dtype and
     shape, those saved): a 64-bit dtype with jax_enable_x64 off (jax would make int64 int32 and
-    float64 float32: wrong values, silently)."""
+    float64 float32: wrong values, silently), or a sharding that does not divide the shape (jax
+    raised only once the leaf was read, naming no key path), judged as jax does (`shard_shape`)."""
     if _target_kind(t) != "jax":
         return None
     if not treepath.is_prng_key(t) and (canon := jax.dtypes.canonicalize_dtype(t.dtype)) != t.dtype:
         return (where, expected, f"{has} on jax, which makes it {fmt.dtype_name(canon)} (wrong values) while "
                                  f"jax_enable_x64 is off (enable jax_enable_x64, or restore it onto a numpy "
                                  f"array target or None: host numpy)")
+    sharding = getattr(t, "sharding", None)
+    try:
+        if sharding is not None:
+            sharding.shard_shape(t.shape)
+    except ValueError:
+        return (where, expected, f"{has} sharded by {sharding}, which does not divide that shape: jax cannot "
+                                 f"place it (shard it over mesh axes whose sizes divide its dimensions, or "
+                                 f"replicate it)")
     return None
 
 

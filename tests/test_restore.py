@@ -583,3 +583,23 @@ def test_64_bit_leaves_onto_jax_targets_under_enable_x64_come_back_exactly(ckdir
         assert v.dtype == target[k].dtype, (k, v.dtype)
         np.testing.assert_array_equal(np.asarray(v), saved[k])
     assert not out["n"].committed and out["p"].sharding == rep
+
+
+
+def test_a_target_sharding_that_does_not_divide_the_shape_is_refused_before_reading(ckdir, monkeypatch):
+    """jax (0.10) cannot place (10,) split 4 ways: it raised its own IndivisibleError while the leaves were
+    read, naming no key path. Checked as jax does (`Sharding.shard_shape`), so what jax places passes."""
+    saved = {"small": np.arange(10.0, dtype=np.float32), "big": np.zeros((1030, 512), np.float32),
+             "keys": jax.random.split(jax.random.key(0), 10), "ok": np.arange(12.0, dtype=np.float32)}
+    save(ckdir, saved)
+    m = cc.CheckpointManager(ckdir, read_only=True)
+    sh = NamedSharding(mesh((4, 2)), P("a"))
+    target = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sh) for k, v in saved.items()}
+    assert m.restore(target={**dict.fromkeys(saved), "ok": target["ok"]})["ok"].sharding == sh
+    _no_reads(monkeypatch)
+    with pytest.raises(cc.IncompatibleCheckpointError) as e:
+        m.restore(target=target)
+    msg = str(e.value)
+    assert [w for w, _, _ in e.value.mismatches] == ["['big']", "['keys']", "['small']"], msg
+    for key, has in [("small", "float32[10]"), ("big", "float32[1030, 512]"), ("keys", "key<threefry2x32>[10]")]:
+        assert f"['{key}']: checkpoint has {has}, target expects {has} sharded by {sh}, which does not divide" in msg
