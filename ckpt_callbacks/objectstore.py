@@ -234,7 +234,9 @@ class ObjectStore(Store):
                     f"process (a second writer on this prefix, or a start-up cleanup that judged the save dead); "
                     f"not committing. Give each run its own prefix, or raise CKPT_CALLBACKS_STALE_AFTER_S "
                     f"(now {self.stale_after_s:g}s) above your longest save.")
-        self.write(MARKERS + name, name.encode())
+        # the marker names this save (its token): a reader compares it before and after reading
+        # (`step_token`), so a forced replacement meanwhile is caught, not read half old, half new
+        self.write(MARKERS + name, f"{name} {token or os.urandom(8).hex()}".encode())
         self._forget(name)
         try:
             self._delete_key(PENDING + name)
@@ -248,9 +250,19 @@ class ObjectStore(Store):
 
     def abort(self, staging: str) -> None:
         token = self._forget(staging)
+        # the marker first: a marker write that failed may still have been stored (a 503 after the
+        # write); if it cannot be deleted now, the step's bytes stay (a complete step, committed)
+        self._delete_key(MARKERS + staging)
         self._delete_prefix(staging + "/")
         if token is not None and (self._record(staging) or {}).get("token") == token:
             self._delete_key(PENDING + staging)
+
+    def step_token(self, step: int):
+        """The step's marker (naming the save that committed it), or None while it is not committed."""
+        try:
+            return self.read(MARKERS + fmt.step_name(step))
+        except CheckpointNotFoundError:
+            return None
 
     def delete(self, step: int, reuse: bool = False) -> None:   # objects are never reused
         """Retention: record the deletion, remove the marker (the step is gone for readers), then its bytes."""

@@ -401,6 +401,47 @@ def test_force_resave_replaces_a_committed_step_without_stale_objects(objstore):
     assert objstore.keys() == ["commits/step_0000000001"] + [f"step_0000000001/{k}" for k in after]
 
 
+def test_a_marker_write_that_failed_after_the_server_stored_it_leaves_no_step(objstore, monkeypatch):
+    """A 503 (or a timeout) after the server stored the marker: the save fails, and its abort
+    deleted the step's objects but not the marker, leaving a committed step without data."""
+    real = objectstore.ObjectStore.write
+
+    def write(self, rel, data, sync=True):
+        real(self, rel, data, sync)
+        if rel == objectstore.MARKERS + "step_0000000002":
+            raise cc.StorageUnavailableError("HTTP 503 (the object was stored)")
+
+    monkeypatch.setattr(objectstore.ObjectStore, "write", write)
+    with cc.CheckpointManager(objstore.url, async_save=False) as m:
+        m.save(1, {"a": np.ones(3)})
+        with pytest.raises(cc.CheckpointSaveError, match="not committed"):
+            m.save(2, {"a": np.arange(300_000, dtype=np.float32)})
+    assert cc.CheckpointManager(objstore.url, read_only=True).all_steps() == [1]
+    assert not [k for k in objstore.keys() if "step_0000000002" in k]
+
+
+def test_a_forced_replacement_during_a_restore_is_caught_never_returned_half_old_half_new(objstore, monkeypatch):
+    from ckpt_callbacks import restore as restore_mod
+    old = {f"l{i}": np.full(300_000, 1.0, np.float32) for i in range(4)}   # chunk files, read one by one
+    new = {k: v + 1 for k, v in old.items()}
+    writer = cc.CheckpointManager(objstore.url, async_save=False)
+    writer.save(5, old)
+    real, calls = restore_mod._restore_leaf, []
+
+    def leaf(reader, rec, t):   # another process replaces the step while this one reads it
+        calls.append(rec)
+        if len(calls) == 3:
+            writer.save(5, new, force=True)
+        return real(reader, rec, t)
+
+    monkeypatch.setattr(restore_mod, "_restore_leaf", leaf)
+    with pytest.raises(cc.CheckpointNotFoundError, match="deleted or replaced while it was being restored"):
+        cc.CheckpointManager(objstore.url, read_only=True).restore(5)
+    monkeypatch.setattr(restore_mod, "_restore_leaf", real)
+    assert_tree_equal(cc.CheckpointManager(objstore.url, read_only=True).restore(5), new)
+    writer.close()
+
+
 def test_claim_all_takes_a_kept_file_for_every_size_or_none(tmp_path):
     store = open_store(str(tmp_path / "ck"))
     with cc.CheckpointManager(store.root) as m:
