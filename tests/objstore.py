@@ -123,6 +123,10 @@ class _Gate:
 
     def close(self) -> None:
         if self._listener is not None:
+            try:   # (close() alone leaves a thread blocked in accept() accepting: the port stayed open)
+                self._listener.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
             self._listener.close()
             self._listener = None
         with self._lock:

@@ -534,3 +534,12 @@ def test_a_directory_is_stamped_only_when_its_entries_last_changed_beyond_the_ma
     assert storage._stamp(str(sub)) != stamps["arrays"]
     os.unlink(sub / "b")
     assert storage._stamp(str(sub)) != stamps["arrays"]
+
+
+def test_an_outage_of_the_test_servers_refuses_new_connections(s3_server):
+    """The outage tests rely on it: a closed gate whose accept thread still waited kept accepting."""
+    import socket
+    with s3_server.outage():
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", s3_server.port), timeout=5).close()
+    socket.create_connection(("127.0.0.1", s3_server.port), timeout=5).close()
