@@ -8,14 +8,15 @@ Example::
 
 Who calls what: `CheckpointManager` on process 0, at start (acquire) and in `close` (release).
 A lock whose owner is on this host and no longer alive is stale and is taken over, and so is a
-lock file that holds no readable owner for 2 s (an older version's writer killed while creating
-it). Locks on other hosts cannot be checked for liveness; remove the file by hand if its owner is
+lock file without a readable owner last written over 2 s ago (an older version's writer killed
+while creating it). Locks on other hosts cannot be checked for liveness; remove the file by hand if its owner is
 gone (the message says so). Object stores have no lock (see docs/storage.md).
 """
 
 from __future__ import annotations
 
 import errno
+import fcntl
 import json
 import os
 import socket
@@ -26,7 +27,8 @@ from .errors import CheckpointLockedError
 __all__ = ["acquire", "release", "LOCK_NAME"]
 
 LOCK_NAME = ".ckpt_callbacks.lock"
-_UNREADABLE_S = 2.0   # a lock file without a readable owner for this long is stale
+_UNREADABLE_S = 2.0   # a lock file without a readable owner, last written this long ago, is stale
+_ATTEMPTS = 100
 
 
 def _alive(pid: int) -> bool:
@@ -46,16 +48,20 @@ def _alive(pid: int) -> bool:
 _HELD: set = set()   # roots this process holds: one writer per directory within a process too
 
 
+def _write_owner(fd: int, me: dict) -> None:
+    with os.fdopen(fd, "w") as f:
+        json.dump(me, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def _create(path: str, me: dict) -> bool:
     """Create the lock file holding `me`, or return False if it exists. The owner is written to
     a file of our own first and linked into place, so the lock never exists without its owner
     (a process killed while taking it leaves no empty lock); where the file system has no hard
     links, created in place (``O_EXCL``) and written."""
     tmp = f"{path}.new-{me['host']}-{me['pid']}-{os.urandom(4).hex()}"
-    with open(tmp, "w") as f:
-        json.dump(me, f)
-        f.flush()
-        os.fsync(f.fileno())
+    _write_owner(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644), me)
     try:
         os.link(tmp, path)
         return True
@@ -70,10 +76,7 @@ def _create(path: str, me: dict) -> bool:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     except FileExistsError:
         return False
-    with os.fdopen(fd, "w") as f:
-        json.dump(me, f)
-        f.flush()
-        os.fsync(f.fileno())
+    _write_owner(fd, me)
     return True
 
 
@@ -85,14 +88,13 @@ def acquire(root: str) -> None:
             f"(pid {os.getpid()}); close() it first, or open this one with read_only=True")
     me = {"host": socket.gethostname(), "pid": os.getpid(), "time": time.time()}
     _sweep(root, me["host"])
-    deadline, takeovers = time.monotonic() + _UNREADABLE_S, 0
-    while takeovers < 3:
+    for _ in range(_ATTEMPTS):
         if _create(path, me):
             _HELD.add(os.path.realpath(root))
             return
         try:
             with open(path, "rb") as f:
-                data = f.read()
+                st, data = os.fstat(f.fileno()), f.read()
         except FileNotFoundError:
             continue   # released meanwhile
         try:
@@ -104,14 +106,13 @@ def acquire(root: str) -> None:
         if host == me["host"] and pid == me["pid"]:
             _HELD.add(os.path.realpath(root))   # left by an earlier manager of ours that was never closed
             return
-        if not owner and time.monotonic() < deadline:
+        if not owner and time.time() - st.st_mtime < _UNREADABLE_S:
             time.sleep(0.05)   # being written by an `O_EXCL` writer (no hard links) right now
             continue
         if not owner or (host == me["host"] and isinstance(pid, int) and not _alive(pid)):
-            # stale: its owner died (or it stayed without one: a writer of an older version of
-            # this package killed between creating and writing it)
-            _take_over(path, me["host"], data)
-            takeovers += 1
+            # stale: its owner died (or it has had no owner for a while: a writer of an older
+            # version of this package killed between creating and writing it)
+            _take_over(root, path, st, data)
             continue
         raise CheckpointLockedError(
             f"{root} is being written by another process (host {host}, pid {pid}, since "
@@ -120,28 +121,31 @@ def acquire(root: str) -> None:
     raise CheckpointLockedError(f"could not take the lock {path}")
 
 
-def _take_over(path: str, host: str, stale: bytes) -> None:
-    """Remove the stale lock whose content is `stale`, atomically: of several processes doing so at
-    once, one renames it away; one that finds it renamed a lock taken meanwhile links that back."""
-    mine = f"{path}.stale-{host}-{os.getpid()}"
+def _take_over(root: str, path: str, st: os.stat_result, data: bytes) -> None:
+    """Remove the stale lock `path` (its stat and content as read: `st`, `data`) if it is still
+    that one. Take-overs on this host take turns (``flock`` on the directory), so of several
+    processes that found the same stale lock, the first removes it and the others find a new one."""
+    dfd = os.open(root, os.O_RDONLY)
     try:
-        os.rename(path, mine)
-    except FileNotFoundError:
-        return
-    try:
-        with open(mine, "rb") as f:
-            taken = f.read() != stale
-        if taken:
-            os.link(mine, path)
-    except OSError:
-        pass
+        try:
+            fcntl.flock(dfd, fcntl.LOCK_EX)
+        except OSError:   # a file system without flock on a directory: the check below still holds
+            pass
+        try:
+            with open(path, "rb") as f:
+                now = os.fstat(f.fileno())
+                if (now.st_ino, now.st_mtime_ns) != (st.st_ino, st.st_mtime_ns) or f.read() != data:
+                    return   # taken over (or written) meanwhile: judged again by the caller
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
     finally:
-        os.unlink(mine)
+        os.close(dfd)   # (releases the flock)
 
 
 def _sweep(root: str, host: str) -> None:
-    """Remove the lock's scratch files (``.new-``, ``.stale-``) that dead processes of this host
-    left, killed between creating and removing one."""
+    """Remove the lock's scratch files (``.new-``) that dead processes of this host left, killed
+    between creating and removing one (and ``.stale-`` ones, of a version before the flock)."""
     try:
         names = os.listdir(root)
     except OSError:

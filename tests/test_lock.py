@@ -46,18 +46,47 @@ def test_a_writer_killed_while_taking_the_lock_never_leaves_it_unreadable(tmp_pa
 
 
 @pytest.mark.parametrize("content", [b"", b"{\"host\": ", b"[1, 2]"])
-def test_a_lock_file_without_a_readable_owner_is_stale_after_a_while(tmp_path, content):
+def test_a_lock_file_without_a_readable_owner_is_stale_once_it_was_last_written_2_s_ago(tmp_path, content):
     """As an older version's writer killed between creating the file and writing it left it."""
     d = str(tmp_path)
-    with open(os.path.join(d, lock.LOCK_NAME), "wb") as f:
+    path = os.path.join(d, lock.LOCK_NAME)
+    with open(path, "wb") as f:
         f.write(content)
+    os.utime(path, (time.time() - 60, time.time() - 60))
+    t0 = time.monotonic()
+    lock.acquire(d)                     # old: taken over at once
+    assert time.monotonic() - t0 < 1.0
+    lock.release(d)
+    with open(path, "wb") as f:         # just written (an O_EXCL writer, on a file system without
+        f.write(content)                # hard links, between creating and writing it): waited for
     t0 = time.monotonic()
     lock.acquire(d)
-    assert lock._UNREADABLE_S <= time.monotonic() - t0 < lock._UNREADABLE_S + 5
-    with open(os.path.join(d, lock.LOCK_NAME)) as f:
+    assert lock._UNREADABLE_S - 0.1 <= time.monotonic() - t0 < lock._UNREADABLE_S + 5
+    with open(path) as f:
         assert json.load(f)["pid"] == os.getpid()
     lock.release(d)
-    assert not os.path.exists(os.path.join(d, lock.LOCK_NAME))
+    assert not os.path.exists(path)
+
+
+@pytest.mark.parametrize("kill_at", ["link", "unlink"])
+def test_a_writer_killed_at_either_side_of_linking_its_lock_leaves_none_or_a_whole_one(tmp_path, kill_at):
+    d = str(tmp_path)
+    code = (f"import os, signal, sys\nfrom ckpt_callbacks import lock\nreal = os.{kill_at}\n"
+            f"def die(*a):\n    if os.path.basename(a[0]).startswith(lock.LOCK_NAME + '.new-'):\n"
+            f"        os.kill(os.getpid(), signal.SIGKILL)\n    return real(*a)\n"
+            f"os.{kill_at} = die\nlock.acquire(sys.argv[1])\n")
+    p = subprocess.Popen([sys.executable, "-c", code, d])
+    assert p.wait(timeout=120) == -signal.SIGKILL
+    path = os.path.join(d, lock.LOCK_NAME)
+    assert os.path.exists(path) == (kill_at == "unlink")
+    if kill_at == "unlink":             # linked: whole, naming its (dead) owner
+        with open(path) as f:
+            assert json.load(f)["pid"] == p.pid
+    t0 = time.monotonic()
+    lock.acquire(d)                     # at once: no lock, or a dead owner's
+    assert time.monotonic() - t0 < 1.0
+    lock.release(d)
+    assert [n for n in os.listdir(d) if n.startswith(lock.LOCK_NAME)] == []   # its scratch file swept
 
 
 def test_a_live_owner_is_named_and_its_lock_kept(tmp_path):
@@ -71,17 +100,22 @@ def test_a_live_owner_is_named_and_its_lock_kept(tmp_path):
         assert json.load(f) == owner
 
 
-def test_a_take_over_that_finds_a_new_lock_puts_it_back(tmp_path):
-    """Two processes found the same stale lock; one took it over and took the lock itself: the
-    other's take-over must not remove that fresh lock."""
-    path = os.path.join(str(tmp_path), lock.LOCK_NAME)
+def test_a_take_over_removes_only_the_stale_lock_it_read(tmp_path):
+    """Two processes found the same stale lock; one removed it and took the lock itself: the
+    other's take-over must leave that new lock alone."""
+    d = str(tmp_path)
+    path = os.path.join(d, lock.LOCK_NAME)
     with open(path, "wb") as f:
-        f.write(b'{"host": "h", "pid": 2}')   # the fresh lock
-    lock._take_over(path, socket.gethostname(), stale=b'{"host": "h", "pid": 1}')
+        f.write(b'{"host": "h", "pid": 1}')   # the stale lock, as both read it
+    st = os.stat(path)
+    os.unlink(path)
+    with open(path, "wb") as f:
+        f.write(b'{"host": "h", "pid": 2}')   # the lock the first one took since
+    lock._take_over(d, path, st, b'{"host": "h", "pid": 1}')
     with open(path, "rb") as f:
         assert f.read() == b'{"host": "h", "pid": 2}'
-    lock._take_over(path, socket.gethostname(), stale=b'{"host": "h", "pid": 2}')
-    assert os.listdir(str(tmp_path)) == []
+    lock._take_over(d, path, os.stat(path), b'{"host": "h", "pid": 2}')
+    assert os.listdir(d) == []
 
 
 def test_scratch_files_of_dead_processes_of_this_host_are_swept(tmp_path):
