@@ -410,9 +410,7 @@ def _restore(store: Store, step: int, target, m: dict):
 
 
 class _Put(tuple):
-    """A whole host array bound for a fully addressable sharding, or for None (jax places it,
-    uncommitted): transferred in one batch, in the calling thread (under its jax config:
-    `jax.enable_x64` holds for one thread)."""
+    """A whole host array bound for a fully addressable sharding: transferred in one batch."""
 
     def __new__(cls, host, sharding):
         return super().__new__(cls, (host, sharding))
@@ -451,11 +449,19 @@ def _put(leaves: list) -> list:
 
 
 def _map(fn, items: list) -> list:
-    """`fn` over items on a few threads: tensorstore reads and device transfers overlap."""
+    """`fn` over items on a few threads: tensorstore reads and device transfers overlap. Under
+    the caller's `jax_enable_x64` (a ``jax.enable_x64`` block holds for its own thread only:
+    without it there, the workers' transfers would narrow 64-bit leaves)."""
     if len(items) < 2:
         return [fn(x) for x in items]
+    x64 = jax.config.jax_enable_x64
+
+    def under_x64(x):   # ~6 us a leaf
+        with jax.enable_x64(x64):
+            return fn(x)
+
     with concurrent.futures.ThreadPoolExecutor(max_workers=min(8, len(items))) as pool:
-        return list(pool.map(fn, items))
+        return list(pool.map(under_x64, items))
 
 
 def _restore_leaf(reader: leaf_reader, rec: dict, t):
@@ -473,7 +479,7 @@ def _restore_leaf(reader: leaf_reader, rec: dict, t):
             value = _host_value(rec, data)
             if t is not None and kind == "host" and isinstance(value, np.ndarray) and value.shape == ():
                 value = value[()]   # a Python number's place: a numpy scalar, hashable, immutable
-        return _Put(value, None) if kind == "jax" and not rec.get("prng") else value
+        return jax.device_put(value) if kind == "jax" and not rec.get("prng") else value
     sharding = t.sharding
     if rec.get("prng"):
         return _restore_keys(rec, reader.read_box(rec, full), sharding)
@@ -522,9 +528,7 @@ def _py_onto(v, t, kind: str):
     if kind == "numpy":
         return _like_numpy_target(value, t)
     if _placement_free(t):
-        return _Put(value, None)
-    if t.sharding.is_fully_addressable:
-        return _Put(value, t.sharding)
+        return jax.device_put(value)
     return jax.make_array_from_callback((), t.sharding, lambda idx: value[idx])
 
 
