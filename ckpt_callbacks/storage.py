@@ -536,11 +536,15 @@ class LocalStore(Store):
     def delete(self, step: int, reuse: bool = False) -> None:
         # first the copies its forced replacements left (`.old-`, superseded while `step_N` is
         # there): once `step_N` is gone, `recover` would put such a copy back
-        for name in self.leftovers():
-            if name.startswith(fmt.step_name(step) + ".old-"):
-                shutil.rmtree(self.path(name), ignore_errors=True)
-                if os.path.exists(self.path(name)):
-                    raise CheckpointError(f"could not remove {self.path(name)} before deleting step {step}")
+        # (renamed to `.del-`, which nothing puts back, then removed as far as it goes)
+        old = [n for n in self.leftovers() if n.startswith(fmt.step_name(step) + ".old-")]
+        gone = [f"{fmt.step_name(step)}.del-{os.urandom(6).hex()}" for _ in old]
+        for name, new in zip(old, gone):
+            os.rename(self.path(name), self.path(new))
+        if old:
+            self._fsync(self.root, directory=True)   # durable before `step_N` goes
+        for new in gone:
+            shutil.rmtree(self.path(new), ignore_errors=True)
         hidden = f"{fmt.step_name(step)}.del-{os.urandom(6).hex()}"
         try:
             os.rename(self.path(fmt.step_name(step)), self.path(hidden))

@@ -182,6 +182,10 @@ def test_a_forced_replacement_swaps_the_step_in_one_step_where_the_system_can(ck
     """With two renames, a reader (or a crash) between them saw the step missing: the latest
     step went back for readers until a writer put the old copy back."""
     from ckpt_callbacks import storage
+    probe = [os.path.join(os.path.dirname(ckdir), n) for n in ("xa", "xb")]
+    for p in probe:
+        os.makedirs(p)
+    exchanges = storage._exchange(*probe)   # (not on every file system, nor with every C library)
     renames = []
     real = os.rename
     monkeypatch.setattr(storage.os, "rename", lambda a, b: renames.append(b) or real(a, b))
@@ -189,7 +193,7 @@ def test_a_forced_replacement_swaps_the_step_in_one_step_where_the_system_can(ck
         m.save(3, tree(3))
         m.save(3, {"x": np.zeros(4, np.float32), "step": -1}, force=True)
         m.wait_until_finished()
-        assert not [b for b in renames if ".old-" in b]
+        assert bool([b for b in renames if ".old-" in b]) == (not exchanges)
         np.testing.assert_array_equal(m.restore(3)["x"], np.zeros(4, np.float32))
         monkeypatch.setattr(storage, "_exchange", lambda a, b: False)   # no renameat2: two renames
         m.save(3, tree(3), force=True)

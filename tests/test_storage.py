@@ -543,3 +543,16 @@ def test_an_outage_of_the_test_servers_refuses_new_connections(s3_server):
         with pytest.raises(ConnectionRefusedError):
             socket.create_connection(("127.0.0.1", s3_server.port), timeout=5).close()
     socket.create_connection(("127.0.0.1", s3_server.port), timeout=5).close()
+
+
+def test_deleting_a_step_never_leaves_its_replaced_copy_to_be_put_back(tmp_path, monkeypatch):
+    """A forced replacement's `.old-` copy (its removal was interrupted) goes with its step, even
+    where it cannot be removed now (NFS's silly renames, EBUSY): it must not become recoverable."""
+    store = open_store(str(tmp_path / "ck"))
+    with cc.CheckpointManager(store.root) as m:
+        m.save(1, {"a": np.ones(3)})
+    os.makedirs(store.path("step_0000000001.old-0123456789ab/arrays"))
+    monkeypatch.setattr(storage.shutil, "rmtree", lambda *a, **k: None)   # nothing can be removed
+    store.delete(1)
+    assert store.recoverable() == {} and store.committed_steps() == []
+    assert store.recover() == [] and store.committed_steps() == []
