@@ -251,8 +251,13 @@ class ObjectStore(Store):
     def abort(self, staging: str) -> None:
         token = self._forget(staging)
         # the marker first: a marker write that failed may still have been stored (a 503 after the
-        # write); if it cannot be deleted now, the step's bytes stay (a complete step, committed)
-        self._delete_key(MARKERS + staging)
+        # write); if it cannot be deleted now, the step's bytes stay (a complete step, committed).
+        # A marker another save wrote (a second writer on this prefix) is left, with the step.
+        marker = self.step_token(fmt.parse_step_name(staging))
+        if marker is not None:
+            if token is None or marker != f"{staging} {token}".encode():
+                return
+            self._delete_key(MARKERS + staging)
         self._delete_prefix(staging + "/")
         if token is not None and (self._record(staging) or {}).get("token") == token:
             self._delete_key(PENDING + staging)
