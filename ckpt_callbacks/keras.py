@@ -605,7 +605,10 @@ class AsyncCheckpoint(keras.callbacks.Callback):
             # the epoch's running loss after the last step run (Keras may run batch-end hooks on
             # its own threads, in any order: wait for that step's, as the save waits for the step)
             with self._ended_changed:
-                self._ended_changed.wait_for(lambda: self._loss_at >= done, timeout=_HOOK_WAIT_S)
+                if not self._ended_changed.wait_for(lambda: self._loss_at >= done, timeout=_HOOK_WAIT_S):
+                    log.warning("ckpt_callbacks: AsyncCheckpoint: the batch-end hook of step %d did not run within "
+                                "%gs; judging the mid-epoch save by an earlier step's loss", self._global_step,
+                                _HOOK_WAIT_S)
                 loss = self._last_loss
             if self._skip_nonfinite(loss, f"step {self._global_step} (inside epoch {self._epoch + 1})"):
                 return
