@@ -9,8 +9,8 @@ Example::
 Who calls what: `CheckpointManager` on process 0, at start (acquire) and in `close` (release).
 A lock whose owner is on this host and no longer alive is stale and is taken over, and so is a
 lock file without a readable owner last written over 2 s ago (an older version's writer killed
-while creating it). Locks on other hosts cannot be checked for liveness; remove the file by hand if its owner is
-gone (the message says so). Object stores have no lock (see docs/storage.md).
+while creating it). Locks on other hosts cannot be checked for liveness; remove the file by hand
+if its owner is gone (the message says so). Object stores have no lock (see docs/storage.md).
 """
 
 from __future__ import annotations
@@ -144,25 +144,21 @@ def _take_over(root: str, path: str, st: os.stat_result, data: bytes) -> None:
 
 
 def _sweep(root: str, host: str) -> None:
-    """Remove the lock's scratch files (``.new-``) that dead processes of this host left, killed
-    between creating and removing one (and ``.stale-`` ones, of a version before the flock)."""
+    """Remove the owner files (``.new-``) that dead processes of this host left, killed between
+    creating and removing one."""
     try:
         names = os.listdir(root)
     except OSError:
         return
     for name in names:
-        for kind in (".new-", ".stale-"):
-            if not name.startswith(LOCK_NAME + kind):
-                continue
-            rest = name[len(LOCK_NAME + kind):]
-            if kind == ".new-":
-                rest = rest.rsplit("-", 1)[0]
-            who, _, pid = rest.rpartition("-")
-            if who == host and pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
-                try:
-                    os.unlink(os.path.join(root, name))
-                except OSError:
-                    pass
+        if not name.startswith(LOCK_NAME + ".new-"):
+            continue
+        who, _, pid = name[len(LOCK_NAME + ".new-"):].rsplit("-", 1)[0].rpartition("-")
+        if who == host and pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+            try:
+                os.unlink(os.path.join(root, name))
+            except OSError:
+                pass
 
 
 def release(root: str) -> None:

@@ -124,7 +124,6 @@ def test_scratch_files_of_dead_processes_of_this_host_are_swept(tmp_path):
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
                           text=True).stdout.strip()
     names = {f"{lock.LOCK_NAME}.new-{host}-{dead}-0a1b2c3d": False,     # removed
-             f"{lock.LOCK_NAME}.stale-{host}-{dead}": False,             # removed
              f"{lock.LOCK_NAME}.new-{host}-{os.getppid()}-0a1b2c3d": True,   # its writer lives
              f"{lock.LOCK_NAME}.new-otherhost-{dead}-0a1b2c3d": True,    # another host's: unknown
              "notes.txt": True}
