@@ -455,9 +455,12 @@ def _map(fn, items: list) -> list:
     if len(items) < 2:
         return [fn(x) for x in items]
     x64 = jax.config.jax_enable_x64
+    enable_x64 = getattr(jax, "enable_x64", None)   # (jax.experimental's before jax 0.7)
+    if enable_x64 is None:
+        from jax.experimental import enable_x64
 
     def under_x64(x):   # ~6 us a leaf
-        with jax.enable_x64(x64):
+        with enable_x64(x64):
             return fn(x)
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=min(8, len(items))) as pool:
