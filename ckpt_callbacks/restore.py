@@ -455,7 +455,7 @@ def _map(fn, items: list) -> list:
     if len(items) < 2:
         return [fn(x) for x in items]
     x64 = jax.config.jax_enable_x64
-    enable_x64 = getattr(jax, "enable_x64", None)   # (jax.experimental's before jax 0.7)
+    enable_x64 = getattr(jax, "enable_x64", None)   # (older jax: only jax.experimental's)
     if enable_x64 is None:
         from jax.experimental import enable_x64
 
