@@ -127,7 +127,7 @@ def train(cfg, *, kill_at: int | None = None, log=print) -> dict:
             state = mngr.restore(start, target=state)
             it.set_state(mngr.host_state(start))
             log(f"resumed from step {start} (committed: {mngr.all_steps()}"
-                + (f"; removed the partial save(s) {leftovers} of the interrupted run)" if leftovers else ")"))
+                + (f"; removed what the interrupted run left unfinished: {leftovers})" if leftovers else ")"))
         start = start or 0
         for step in range(start + 1, t["steps"] + 1):
             idx = next(it)
