@@ -655,7 +655,7 @@ class AsyncCheckpoint(keras.callbacks.Callback):
             better = self.best is None or (current < self.best if self._mode == "min" else current > self.best)
             if better:
                 if self.verbose:
-                    print(f"AsyncCheckpoint: {self.monitor} improved from {self.best} to {current}", flush=True)
+                    print(f"\nAsyncCheckpoint: {self.monitor} improved from {self.best} to {current}", flush=True)
                 self.best = current
         # Data of unknown length: Keras begins one more call after the last batch, before it finds
         # the data ended, and that call may have saved this very step mid-epoch (no metrics, the
@@ -708,7 +708,8 @@ class AsyncCheckpoint(keras.callbacks.Callback):
             self._data_saved = (self._global_step, host["data"])
         if started and self.verbose:
             where = f"epoch {epoch + 1}, batch {batch}" if batch else f"end of epoch {epoch}"
-            print(f"AsyncCheckpoint: saving step {self._global_step} ({where}); "
+            # (a line of its own: Keras' progress bar has not ended its line yet, as for ModelCheckpoint)
+            print(f"\nAsyncCheckpoint: saving step {self._global_step} ({where}); "
                   f"training blocked {self.last_blocking_s * 1e3:.1f} ms", flush=True)
         return started
 

@@ -783,3 +783,15 @@ def test_fallback_positions_a_batches_generator_at_the_step_it_restores(tmp_path
     _assert_same_weights(cb.model, reference)   # epochs 3 and 4 saw the batches they should
     assert cc.CheckpointManager(d, read_only=True).all_steps() == [4, 8, 12, 16]
 
+
+
+def test_verbose_lines_start_lines_of_their_own_beside_keras_progress_bar(ckdir, capsys):
+    """Keras' progress bar has not ended its line when epoch-end callbacks run: our lines were
+    glued onto it ("... loss: 0.6650AsyncCheckpoint: saving step 182")."""
+    x, y, val = _data()
+    _model().fit(x, y, batch_size=16, epochs=2, verbose=1, validation_data=val,
+                 callbacks=[AsyncCheckpoint(ckdir, monitor="val_loss", verbose=1)])
+    lines = capsys.readouterr().out.splitlines()
+    ours = [ln for ln in lines if "AsyncCheckpoint:" in ln]
+    assert len([ln for ln in ours if "saving step" in ln]) == 2
+    assert all(ln.startswith("AsyncCheckpoint:") for ln in ours), ours
