@@ -236,7 +236,7 @@ class ObjectStore(Store):
                     f"(now {self.stale_after_s:g}s) above your longest save.")
         # the marker names this save (its token): a reader compares it before and after reading
         # (`step_token`), so a forced replacement meanwhile is caught, not read half old, half new
-        self.write(MARKERS + name, f"{name} {token or os.urandom(8).hex()}".encode())
+        self.write(MARKERS + name, _marker(name, token or os.urandom(8).hex()))
         self._forget(name)
         try:
             self._delete_key(PENDING + name)
@@ -255,7 +255,7 @@ class ObjectStore(Store):
         # A marker another save wrote (a second writer on this prefix) is left, with the step.
         marker = self.step_token(fmt.parse_step_name(staging))
         if marker is not None:
-            if token is None or marker != f"{staging} {token}".encode():
+            if token is None or marker != _marker(staging, token):
                 return
             self._delete_key(MARKERS + staging)
         self._delete_prefix(staging + "/")
@@ -318,6 +318,11 @@ class ObjectStore(Store):
 
     def check_writable(self) -> None:
         self._list(MARKERS)   # a missing bucket or unreachable endpoint fails here, clearly
+
+
+def _marker(name: str, token: str) -> bytes:
+    """The content of the commit marker of step `name` written by the save `token`."""
+    return f"{name} {token}".encode()
 
 
 def _prefix_range(prefix: str):
