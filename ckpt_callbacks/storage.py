@@ -537,7 +537,7 @@ class LocalStore(Store):
         # first the copies its forced replacements left (`.old-`, superseded while `step_N` is
         # there): once `step_N` is gone, `recover` would put such a copy back
         # (renamed to `.del-`, which nothing puts back, then removed as far as it goes)
-        old = [n for n in self.leftovers() if n.startswith(fmt.step_name(step) + ".old-")]
+        old = [n for n, s in self._old_copies().items() if s == step]
         gone = [f"{fmt.step_name(step)}.del-{os.urandom(6).hex()}" for _ in old]
         for name, new in zip(old, gone):
             os.rename(self.path(name), self.path(new))
@@ -600,14 +600,17 @@ class LocalStore(Store):
                 return None
             return [self._pool[n].pop() for n in sizes]
 
-    def recoverable(self) -> dict[str, int]:
+    def _old_copies(self) -> dict[str, int]:
+        """The `.old-` copies that forced replacements left: {name: step}."""
         found = {}
         for name in self.leftovers():
             m = fmt.STAGING_RE.match(name)
-            step = int(m.group(1))
-            if m.group(2) == "old" and not os.path.exists(self.path(fmt.step_name(step))):
-                found[name] = step
+            if m.group(2) == "old":
+                found[name] = int(m.group(1))
         return found
+
+    def recoverable(self) -> dict[str, int]:
+        return {n: s for n, s in self._old_copies().items() if not os.path.exists(self.path(fmt.step_name(s)))}
 
     def drop_reusable(self, pool=None) -> None:
         with self._pool_lock:
