@@ -448,8 +448,8 @@ class AsyncCheckpoint(keras.callbacks.Callback):
         self._epoch, self._batch, self._global_step = 0, 0, 0
         self._since_save, self._skip, self._ended = 0, 0, 0
         self._mid_saved = None   # the step a mid-epoch save of this epoch took, if any
-        self._ended_lock = threading.Lock()
-        self._ended_changed = threading.Condition(self._ended_lock)
+        # guards `_ended`, `_loss_at`, `_last_loss` (set by batch-end hooks on Keras' threads)
+        self._ended_changed = threading.Condition()
         self._loss_at = 0   # the step (within the epoch) whose batch-end hook set `_last_loss`
         self._resume_at, self._resumed_metrics = None, None
         self._data_saved = None
@@ -571,7 +571,7 @@ class AsyncCheckpoint(keras.callbacks.Callback):
             skip = self._resume_at[1]
         self._resume_at = None
         self._epoch, self._batch, self._skip = epoch, skip, skip
-        with self._ended_lock:
+        with self._ended_changed:
             self._ended, self._loss_at = skip, skip   # (`_last_loss` stays the last epoch's until a step ends)
         if isinstance(self.data, ResumableDataset):
             self.data.set_position(epoch, skip)
@@ -640,7 +640,7 @@ class AsyncCheckpoint(keras.callbacks.Callback):
 
     def on_epoch_end(self, epoch, logs=None):
         self._exit_warn_ctx()
-        with self._ended_lock:   # Keras has waited for every batch-end hook of the epoch
+        with self._ended_changed:   # Keras has waited for every batch-end hook of the epoch
             self._advance(self._ended)
         self._since_save = 0
         metrics = _numeric_logs(logs)

@@ -405,6 +405,7 @@ def _restore(store: Store, step: int, target, m: dict):
                     "e.g. that the optimizer did not change", step, where, saved, wanted)
     reader.prefetch(recs)
     leaves = _put(_map(lambda it: _restore_leaf(reader, recs[it[0]], it[1]), list(zip(order, flat.leaves))))
+    leaves = [_weak_as(v, t) for v, t in zip(leaves, flat.leaves)]
     treedef = jax.tree_util.tree_structure(target, is_leaf=lambda x: x is None)
     return jax.tree_util.tree_unflatten(treedef, leaves)
 
@@ -450,21 +451,22 @@ def _put(leaves: list) -> list:
 
 def _map(fn, items: list) -> list:
     """`fn` over items on a few threads: tensorstore reads and device transfers overlap. Under
-    the caller's `jax_enable_x64` (a ``jax.enable_x64`` block holds for its own thread only:
-    without it there, the workers' transfers would narrow 64-bit leaves)."""
+    the caller's `jax_enable_x64` and `jax_default_device` (a ``jax.enable_x64`` or
+    ``jax.default_device`` block holds for its own thread only: without them there, the workers'
+    transfers would narrow 64-bit leaves and put placement-free leaves on another device)."""
     if len(items) < 2:
         return [fn(x) for x in items]
-    x64 = jax.config.jax_enable_x64
+    x64, device = jax.config.jax_enable_x64, jax.config.jax_default_device
     enable_x64 = getattr(jax, "enable_x64", None)   # (older jax: only jax.experimental's)
     if enable_x64 is None:
         from jax.experimental import enable_x64
 
-    def under_x64(x):   # ~6 us a leaf
-        with enable_x64(x64):
+    def as_caller(x):   # ~10 us a leaf
+        with enable_x64(x64), jax.default_device(device):
             return fn(x)
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=min(8, len(items))) as pool:
-        return list(pool.map(under_x64, items))
+        return list(pool.map(as_caller, items))
 
 
 def _restore_leaf(reader: leaf_reader, rec: dict, t):
@@ -508,6 +510,18 @@ def _restore_leaf(reader: leaf_reader, rec: dict, t):
         return host[tuple(slice(lo - o, hi - o) for (lo, hi), (o, _) in zip(b, bbox))]
 
     return jax.make_array_from_callback(shape, sharding, cb)
+
+
+def _weak_as(value, t):
+    """`value` weakly typed where the target leaf is (`jnp.asarray(0.9)`, a TrainState's `step`
+    after a jitted step, `ShapeDtypeStruct(..., weak_type=True)`). jax promotes weak types
+    differently (weak float32 * bfloat16 is bfloat16; float32 * bfloat16 is float32): restored
+    strong, such a leaf would change the training's dtypes after a resume. Same values, same
+    placement."""
+    if not getattr(t, "weak_type", False) or not isinstance(value, jax.Array) or value.weak_type:
+        return value
+    from jax._src.lax.lax import _convert_element_type   # (no public API sets weak_type)
+    return jax.jit(_convert_element_type, static_argnums=(1, 2))(value, value.dtype, True)
 
 
 def _placement_free(t) -> bool:

@@ -206,6 +206,12 @@ def _each(fn, items: list, pool=None) -> None:
             own.shutdown(wait=True)
 
 
+def _hidden_name(step: int, kind: str) -> str:
+    """A fresh name for a step directory renamed out of the way: `step_N.del-<hex>` (deleted)
+    or `step_N.old-<hex>` (superseded by a forced replacement)."""
+    return f"{fmt.step_name(step)}.{kind}-{os.urandom(6).hex()}"
+
+
 def _unlink_quiet(path: str) -> None:
     try:
         os.unlink(path)
@@ -513,7 +519,7 @@ class LocalStore(Store):
                 shutil.rmtree(self.path(staging), ignore_errors=True)   # the old copy (a leftover if we die)
                 return
             # `.old-`, not `.del-`: if we die before the next rename, `recover` puts it back
-            old = f"{fmt.step_name(step)}.old-{os.urandom(6).hex()}"
+            old = _hidden_name(step, "old")
             os.rename(final, self.path(old))
         os.rename(self.path(staging), final)
         self._fsync(self.root, directory=True)
@@ -538,14 +544,14 @@ class LocalStore(Store):
         # there): once `step_N` is gone, `recover` would put such a copy back
         # (renamed to `.del-`, which nothing puts back, then removed as far as it goes)
         old = [n for n, s in self._old_copies().items() if s == step]
-        gone = [f"{fmt.step_name(step)}.del-{os.urandom(6).hex()}" for _ in old]
+        gone = [_hidden_name(step, "del") for _ in old]
         for name, new in zip(old, gone):
             os.rename(self.path(name), self.path(new))
         if old:
             self._fsync(self.root, directory=True)   # durable before `step_N` goes
         for new in gone:
             shutil.rmtree(self.path(new), ignore_errors=True)
-        hidden = f"{fmt.step_name(step)}.del-{os.urandom(6).hex()}"
+        hidden = _hidden_name(step, "del")
         try:
             os.rename(self.path(fmt.step_name(step)), self.path(hidden))
         except FileNotFoundError:

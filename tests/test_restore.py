@@ -586,6 +586,48 @@ def test_64_bit_leaves_onto_jax_targets_under_enable_x64_come_back_exactly(ckdir
 
 
 
+def test_placement_free_leaves_follow_the_callers_default_device(ckdir):
+    """`jax.default_device` holds for the calling thread only: leaves that leave their placement
+    to jax (uncommitted arrays, ShapeDtypeStructs without a sharding, typed keys) were put on
+    device 0 by the restore's reading threads, and on the caller's device when there was one leaf."""
+    saved = {"count": np.int32(3), "w": np.arange(6.0, dtype=np.float32), "key": jax.random.key(1),
+             "mu": np.ones((2, 3), np.float32)}
+    save(ckdir, saved)
+    target = {"count": jnp.zeros((), jnp.int32), "w": jax.ShapeDtypeStruct((6,), np.float32),
+              "key": jax.random.key(0), "mu": jnp.zeros((2, 3))}
+    dev = jax.devices()[5]
+    with jax.default_device(dev):
+        out = cc.CheckpointManager(ckdir, read_only=True).restore(target=target)
+    for k, v in out.items():
+        assert v.devices() == {dev} and not v.committed, (k, v.devices())
+    assert_tree_equal({k: v for k, v in out.items() if k != "key"}, {k: v for k, v in saved.items() if k != "key"})
+    np.testing.assert_array_equal(jax.random.key_data(out["key"]), jax.random.key_data(saved["key"]))
+
+
+def test_weakly_typed_target_leaves_come_back_weakly_typed(ckdir):
+    """A weakly typed leaf (`jnp.asarray(0.9)`, TrainState's `step` after a jitted step) came back
+    strong: weak float32 * bfloat16 is bfloat16 but float32 * bfloat16 float32, so a resumed run
+    trained (and saved) in another dtype, and the next resume refused its own checkpoint."""
+    rep = NamedSharding(mesh((4, 2)), P())
+    weak = {"decay": jnp.asarray(0.9), "step": jnp.asarray(7), "vec": jnp.broadcast_to(0.5, (8,)),
+            "pinned": jax.device_put(jnp.asarray(2.5), rep)}
+    strong = {"decay_s": jnp.float32(0.9), "vec_s": jnp.full((8,), 0.5, jnp.float32)}
+    assert all(v.weak_type for v in weak.values()) and not any(v.weak_type for v in strong.values())
+    save(ckdir, {**weak, **strong})
+    m = cc.CheckpointManager(ckdir, read_only=True)
+    abstract = {"decay": jax.ShapeDtypeStruct((), np.float32, weak_type=True),
+                "vec": jax.ShapeDtypeStruct((8,), np.float32, sharding=NamedSharding(rep.mesh, P("a")), weak_type=True)}
+    for target in ({**weak, **strong}, {**weak, **strong, **abstract}):
+        out = m.restore(target=target)
+        for k, v in out.items():
+            assert v.weak_type == target[k].weak_type, k
+            t = target[k]
+            assert v.dtype == t.dtype and v.committed == (t.committed if isinstance(t, jax.Array) else t.sharding is not None), k
+        assert_tree_equal(out, {**weak, **strong})
+        assert (out["decay"] * jnp.ones(2, jnp.bfloat16)).dtype == jnp.bfloat16
+        assert out["vec"].sharding == getattr(target["vec"], "sharding", out["vec"].sharding)
+
+
 def test_a_target_sharding_that_does_not_divide_the_shape_is_refused_before_reading(ckdir, monkeypatch):
     """jax (0.10) cannot place (10,) split 4 ways: it raised its own IndivisibleError while the leaves were
     read, naming no key path. Checked as jax does (`Sharding.shard_shape`), so what jax places passes."""
