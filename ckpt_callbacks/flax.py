@@ -115,6 +115,18 @@ def _as_step(step) -> int:
     return int(s)
 
 
+def _checked_iterator(it):
+    """`it` if it can report and take its position (else every save would fail, at the first one)."""
+    missing = [m for m in ("get_state", "set_state") if it is not None and not callable(getattr(it, m, None))]
+    if missing:
+        raise ConfigError(
+            f"data_iterator: {type(it).__name__} has no {' or '.join(m + '()' for m in missing)}, so its position "
+            f"cannot be saved and restored. Fix: pass a Grain DatasetIterator / DataLoader iterator or an "
+            f"object with get_state() and set_state(state), or data_iterator=None (the data then restarts "
+            f"from its beginning on resume)")
+    return it
+
+
 def _positive_or_none(name, v, kind=int):
     """A positive int (numpy integers too) or finite positive float for `kind=float`, or None."""
     if v is None:
@@ -169,7 +181,7 @@ class CheckpointHook:
             raise ConfigError(f"on_preemption must be 'flag' or 'raise', got {on_preemption!r}")
         self.on_preemption = on_preemption
         self.save_on_eval = bool(save_on_eval)
-        self.data_iterator = data_iterator
+        self.data_iterator = _checked_iterator(data_iterator)
         self.clock = clock
         if isinstance(directory_or_manager, CheckpointManager):
             if retention is not None or async_save is not True:
@@ -209,7 +221,7 @@ class CheckpointHook:
         """
         self._check_open()
         if data_iterator is not None:
-            self.data_iterator = data_iterator
+            self.data_iterator = _checked_iterator(data_iterator)
         step = self.manager.latest_step()
         if step is None:
             self._last_step, self._last_save_time = 0, self.clock()

@@ -333,6 +333,23 @@ def test_data_iterator_from_constructor_and_missing_state_is_an_error(ckdir, cap
     hook.close()
 
 
+def test_a_data_iterator_that_cannot_report_its_position_is_refused_up_front(ckdir):
+    """A plain iterator was accepted and training died at the first save (an AttributeError, after
+    `every_steps` steps of work): refused where it is given, nothing created."""
+    with pytest.raises(cc.ConfigError, match=r"data_iterator: range_iterator has no get_state\(\) or set_state\(\)"):
+        CheckpointHook(ckdir, data_iterator=iter(range(3)), preemption_signals=())
+    assert not os.path.exists(ckdir)
+
+    class OnlyGet:
+        def get_state(self):
+            return {}
+    hook = CheckpointHook(ckdir, every_steps=1, preemption_signals=())
+    with pytest.raises(cc.ConfigError, match=r"OnlyGet has no set_state\(\)"):
+        hook.restore_or_init(_tree(0), data_iterator=OnlyGet())
+    assert hook.data_iterator is None and hook(1, _tree(1))
+    hook.close()
+
+
 def test_linen_trainstate_roundtrip_in_process(ckdir):
     import flax.linen as nn
     from flax.training import train_state
