@@ -17,7 +17,8 @@ Who calls what, in which order (Keras calls the hooks; on every process under mu
   * `batches` (a generator over a ``data=`` iterator, passed to `fit`), at its first ``next()``:
     puts the iterator at the latest committed step's position, before Keras reads the first
     batches to learn their shapes (which it does before any hook runs, and trains on first).
-  * `on_train_begin`: opens a `CheckpointManager` on `directory`; if a step is committed there,
+  * `on_train_begin`: refuses a second AsyncCheckpoint in the same `fit` and a model whose state
+    Keras cannot collect (`ConfigError`), then opens a `CheckpointManager` on `directory`; if a step is committed there,
     restores it strictly into the model (every variable or an `IncompatibleCheckpointError` listing
     the mismatched paths), restores the host RNGs Keras' input pipelines draw from, and makes `fit`
     start at the next unseen epoch (it sets ``model._initial_epoch``, the attribute Keras' own
@@ -29,7 +30,10 @@ Who calls what, in which order (Keras calls the hooks; on every process under mu
     `on_train_batch_end` only records how far the epoch got; it is ``async_safe``, so Keras may run
     it on a thread of its own and need not wait for each step's logs (see `AsyncCheckpoint`).
   * `on_epoch_end`: records the monitor's best value and saves with the epoch's logs as metrics
-    (``val_*`` appear only here, so only epoch-end steps can rank as best).
+    (``val_*`` appear only here, so only epoch-end steps can rank as best). An epoch that
+    ``stop_training`` cut short is saved where it stopped (as a mid-epoch save), or, without
+    ``data=``, not at all (a resume would skip its remaining batches). Callbacks listed after
+    this one run their `on_epoch_end` after the snapshot.
   * `on_train_end`: waits for the last save, applies retention, closes the manager; a background
     failure is raised here, never swallowed.
 
@@ -118,7 +122,11 @@ def _flatten(nested: dict, prefix: str = "") -> dict:
 def _state_tree(model) -> dict:
     """`model.get_state_tree()`, with the optimizer's own (auto-numbered: "adam", "adam_1", ...) name
     replaced by "optimizer", so a model rebuilt in the same process still matches its checkpoint."""
-    tree = model.get_state_tree()
+    try:
+        tree = model.get_state_tree()
+    except ValueError as e:   # e.g. two variables of a layer with one name: one path
+        raise ConfigError(f"AsyncCheckpoint: Keras cannot collect the model's state (model.get_state_tree()): "
+                          f"{e}\nFix: give each variable of a layer its own name (add_weight(name=...))") from e
     opt = tree["optimizer_variables"]
     name = model.optimizer.name
     if name in opt and _OPTIMIZER not in opt:
@@ -408,7 +416,9 @@ class AsyncCheckpoint(keras.callbacks.Callback):
     def _train_begin(self):
         self._close(raise_errors=False)      # left open by a fit() that raised
         self._close_abandoned()
+        self._refuse_another_in_this_fit()
         self._check_epochs_are_passes()
+        _state_tree(self.model)              # a model whose state cannot be saved fails now, not after an epoch
         self._mode = self._resolved_mode()
         self.manager = CheckpointManager(self.directory, retention=self._policies(self._mode),
                                          async_save=self.async_save, max_staging_bytes=self.max_staging_bytes)
@@ -440,6 +450,23 @@ class AsyncCheckpoint(keras.callbacks.Callback):
                 other._close(raise_errors=False)
             else:
                 _close_manager(manager, raise_errors=False)
+
+    def _refuse_another_in_this_fit(self) -> None:
+        """Two AsyncCheckpoints in one fit() (e.g. a fast local one beside a remote one) would each
+        restore their own latest step, one after the other, into the same model and data: the
+        model would hold one's step and the data another's position, and the later saves would
+        be numbered from that mix. Refused, before this one opens anything; the other is closed
+        (this fit() trains nothing)."""
+        for ref, _, _ in list(_OPEN.values()):
+            other = ref()
+            if (other is not None and other is not self and other._open and other.model is self.model
+                    and other.params is self.params):
+                other._close(raise_errors=False)
+                raise ConfigError(
+                    f"AsyncCheckpoint: this fit() has two AsyncCheckpoint callbacks ({other.directory} and "
+                    f"{self.directory}); each would resume from its own latest step, into the same model. "
+                    f"Fix: use one AsyncCheckpoint per fit(); its retention can keep both what a frequent "
+                    f"and what a sparse schedule would (e.g. keep_last= with retention={{'keep_every': N}}).")
 
     def _resume(self) -> None:
         """This fit()'s run state from scratch, then the restore of the latest step (if any)."""
@@ -661,9 +688,21 @@ class AsyncCheckpoint(keras.callbacks.Callback):
         # the data ended, and that call may have saved this very step mid-epoch (no metrics, the
         # epoch not ended): the epoch-end save replaces it.
         again, self._mid_saved = self._mid_saved == self._global_step, None
+        # `stop_training` set inside the epoch (a time budget): its batches did not all run
+        partial = self._epoch_end is not None and self._batch < self._epoch_end
+        if partial and self.data is None:
+            log.warning("ckpt_callbacks: AsyncCheckpoint: fit() stopped after batch %d of epoch %d's %d; not "
+                        "saving it as an ended epoch (a resumed fit() would skip the rest of it); the last "
+                        "step saved stays the one a resumed fit() starts from. To keep stopped epochs, pass "
+                        "data= (a ResumableDataset continues at the next batch) or data=False (the epoch "
+                        "restarts from its first batch)", self._batch, epoch + 1, self._epoch_end)
+            return
         if self._skip_nonfinite(metrics.get("loss"), f"epoch {epoch + 1}"):
             return
-        self._save(epoch + 1, 0, metrics=metrics, replace=again)
+        if partial:   # saved where it stopped, as a mid-epoch save is
+            self._save(epoch, self._batch, metrics=metrics, replace=again)
+        else:
+            self._save(epoch + 1, 0, metrics=metrics, replace=again)
 
     def _skip_nonfinite(self, loss, what: str) -> bool:
         """Whether to skip a save because the loss is NaN or infinite: weights that produced it are

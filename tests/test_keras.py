@@ -242,9 +242,48 @@ def test_a_fit_that_raises_never_leaves_the_directory_locked_for_the_next_callba
     _model().fit(x, y, batch_size=16, epochs=7, verbose=0, callbacks=[cb])
     assert cb.resumed_step == 24 and cb.manager.latest_step() == 28 and held[1]._closed
 
-    first, second = AsyncCheckpoint(ckdir), AsyncCheckpoint(ckdir)   # two of one fit: the second is refused
-    with pytest.raises(cc.CheckpointLockedError, match="already open for writing"):
-        _model().fit(x, y, batch_size=16, epochs=8, verbose=0, callbacks=[first, second])
+
+
+def test_two_async_checkpoints_in_one_fit_are_refused_before_the_second_opens_anything(ckdir):
+    """A fast local callback beside a remote one: each restored its own latest step into the model
+    (the model held one's step, the data the other's position) and numbered its saves from that."""
+    x, y, _ = _data()
+    other = ckdir + "-other"
+    for dirs in ((ckdir, ckdir), (ckdir, other)):
+        first, second = AsyncCheckpoint(dirs[0]), AsyncCheckpoint(dirs[1])
+        with pytest.raises(cc.ConfigError, match="this fit\\(\\) has two AsyncCheckpoint callbacks"):
+            _model().fit(x, y, batch_size=16, epochs=2, verbose=0, callbacks=[first, second])
+        assert not first._open and not os.path.exists(os.path.join(ckdir, ".ckpt_callbacks.lock"))
+        assert not os.path.exists(other)
+    cb = AsyncCheckpoint(ckdir)   # the directory is free; nothing was saved
+    _model().fit(x, y, batch_size=16, epochs=1, verbose=0, callbacks=[cb])
+    assert cb.resumed_step is None and cb.manager.all_steps() == [4]
+
+
+def test_a_model_whose_state_keras_cannot_collect_fails_before_training(ckdir):
+    """Two weights of a layer with one name: Keras' get_state_tree() refuses them. That came as
+    Keras' ValueError at the first save, after an epoch of training."""
+    class TwoW(keras.layers.Layer):
+        def build(self, shape):
+            self.a = self.add_weight((shape[-1], 1), initializer="zeros", name="w")
+            self.b = self.add_weight((shape[-1], 1), initializer="ones", name="w")
+
+        def call(self, t):
+            return t @ self.a + t @ self.b
+
+    class Count(keras.callbacks.Callback):
+        batches = 0
+
+        def on_train_batch_end(self, batch, logs=None):
+            Count.batches += 1
+
+    keras.backend.clear_session()
+    model = keras.Sequential([keras.Input((8,)), TwoW()])
+    model.compile("sgd", "mse")
+    x, y, _ = _data()
+    with pytest.raises(cc.ConfigError, match="(?s)found twice.*Fix: give each variable of a layer its own name"):
+        model.fit(x, y, batch_size=16, epochs=1, verbose=0, callbacks=[Count(), AsyncCheckpoint(ckdir)])
+    assert Count.batches == 0 and not os.path.exists(os.path.join(ckdir, ".ckpt_callbacks.lock"))
 
 
 def test_an_epoch_whose_loss_is_not_finite_is_not_saved(ckdir, caplog):
@@ -463,6 +502,55 @@ def test_a_resumed_epoch_ends_with_its_epoch_end_save(ckdir, spe, save_freq, cra
     ends = [s for s in mngr.all_steps() if int(mngr.restore(s)["progress"]["batch"]) == 0]
     assert ends == [10, 20] and all("loss" in mngr.metrics(s) for s in ends)
     assert int(mngr.restore(20)["progress"]["global_step"]) == 20
+
+
+class _StopAfter(keras.callbacks.Callback):
+    """Sets `stop_training` after the n-th batch of the fit (a time budget)."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.n, self.seen = n, 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.seen += 1
+        if self.seen == self.n:
+            self.model.stop_training = True
+
+
+def test_a_fit_stopped_inside_an_epoch_is_not_saved_as_an_ended_epoch(tmp_path, caplog):
+    """`stop_training` set after batch 5 of epoch 2: the epoch-end save recorded epoch 2 as ended, so
+    the resumed fit() skipped its last 3 batches (21 steps instead of 24, other weights). Without a
+    position to continue from, that epoch is not saved; with a ResumableDataset it is saved where it
+    stopped and the resumed fit() continues at the next batch."""
+    x, y, _ = _data()
+    whole = _model()
+    whole.fit(x, y, batch_size=8, epochs=3, shuffle=False, verbose=0)
+    model = _model()
+    cb = AsyncCheckpoint(tmp_path / "arrays")
+    with caplog.at_level("WARNING", "ckpt_callbacks"):
+        model.fit(x, y, batch_size=8, epochs=3, shuffle=False, verbose=0, callbacks=[_StopAfter(13), cb])
+    assert cb.manager.all_steps() == [8] and "stopped after batch 5 of epoch 2's 8; not saving" in caplog.text
+    model = _model()
+    model.fit(x, y, batch_size=8, epochs=3, shuffle=False, verbose=0, callbacks=[cb])
+    assert cb.resumed_step == 8 and cb.manager.all_steps() == [8, 16, 24]
+    for path, (value, _) in _state(whole).items():
+        np.testing.assert_array_equal(_state(model)[path][0], value, err_msg=path)
+
+    orders = []
+    for stop in (None, 13):
+        model, seen = _tapped_model()
+        ds = ResumableDataset(_Indexed(n=8), shuffle_seed=0)
+        cb = AsyncCheckpoint(tmp_path / f"resumable{stop}", data=ds)
+        if stop:
+            model.fit(ds, epochs=3, shuffle=False, verbose=0, callbacks=[_StopAfter(stop), cb])
+            assert cb.manager.all_steps() == [8, 13]
+            progress = cb.manager.restore(13)["progress"]
+            assert (int(progress["epoch"]), int(progress["batch"])) == (1, 5)
+        model.fit(ds, epochs=3, shuffle=False, verbose=0, callbacks=[cb])
+        jax.effects_barrier()
+        assert int(model.optimizer.iterations) == 24
+        orders.append(list(seen))
+    assert orders[0] == orders[1] and len(orders[0]) == 24
 
 
 class _ListIterator:
