@@ -175,6 +175,7 @@ class CheckpointManager:
         self._nsaves = self._nrestores = 0
         self.history: list[SaveStats] = []
         self._infos: dict[int, StepInfo] = {}
+        self._info_tokens: dict = {}   # step -> its `_local_token` when its info was read (see `_step_infos`)
         self._damaged: dict[int, str] = {}   # committed steps whose manifest could not be read: why
         self.restored_step: int | None = None   # the step the last restore() read
         self._thread: threading.Thread | None = None
@@ -184,6 +185,9 @@ class CheckpointManager:
         self._closed = False
         self._locked = False
         self._caller: threading.Thread | None = None   # the thread of the last save
+        # saves, waits and close take turns (several threads may save through one manager)
+        self._turn = threading.RLock()
+        self._pid = os.getpid()   # a forked child's copy must not write (see `_check_process`)
         if not read_only:
             self._start_up()
             _watch_exit(self)
@@ -224,13 +228,21 @@ class CheckpointManager:
         """
         return self._save(step, tree, metrics=metrics, host_state=host_state, due=force, replace=force)
 
-    def _save(self, step, tree, *, metrics=None, host_state=None, due=False, replace=False,
-              quiet=False) -> bool:
+    def _save(self, step, tree, **kw) -> bool:
         """`save`; also `CheckpointHook.save`'s: `due` skips the interval check, `replace` allows
-        replacing a committed step, `quiet` skips a committed step without a warning."""
+        replacing a committed step, `quiet` skips a committed step without a warning. Calls from
+        several threads take turns: each waits for the save before it (as one thread's would)."""
+        self._check_process()   # (before the turn: a child's copy of it may be held for good)
+        with self._turn:
+            return self._save_in_turn(step, tree, **kw)
+
+    def _save_in_turn(self, step, tree, *, metrics=None, host_state=None, due=False, replace=False,
+                      quiet=False) -> bool:
         if self._closed or self.read_only:
             raise CheckpointError("save on a closed or read-only CheckpointManager")
         step = _check_step(step)
+        if self._error is not None:   # a failed save is told by the next call, due or not
+            self._wait()
         if not due and step % self.save_interval_steps:
             return False
         metrics = _check_metrics(metrics)
@@ -277,6 +289,7 @@ class CheckpointManager:
                                          timeout_s=self.timeout_s, extra=extra_info, workers=self._workers,
                                          reuse_tree=self.store.local and not through_ok)
                 self._infos[step] = StepInfo(step, save_time, metrics)
+                self._info_tokens[step] = self._local_token(step)
                 self._damaged.pop(step, None)   # a forced save replaced a damaged step
                 stats = self._retain(stats, token)
                 self.history.append(stats)
@@ -367,14 +380,25 @@ class CheckpointManager:
                 err = CheckpointError(f"step {stats.step} was committed, but retention on process 0 failed: {remote}")
         for s in deleted:
             self._infos.pop(s, None)
+            self._info_tokens.pop(s, None)
         if err is not None:
             raise err
         return dataclasses.replace(stats, gc_s=time.perf_counter() - t0, deleted=tuple(deleted))
 
+    def _local_token(self, step: int):
+        """`Store.step_token` where it costs a `stat` (a local directory), else None."""
+        return self.store.step_token(step) if self.store.local else None
+
     def _step_infos(self) -> list[StepInfo]:
+        """Each committed step's time and metrics, read once from its manifest; read again where a
+        local step was replaced since (a forced save through another manager or process)."""
         steps = self.store.committed_steps()
         for s in steps:
+            token = self._local_token(s)
+            if s in self._infos and self._info_tokens.get(s) != token:
+                del self._infos[s]
             if s not in self._infos:
+                self._info_tokens[s] = token
                 try:
                     m = restore_mod.read_manifest(self.store, s)
                     self._infos[s] = StepInfo(s, float((m.get("extra") or {}).get("time", m.get("time", 0.0))),
@@ -404,10 +428,21 @@ class CheckpointManager:
 
     def wait_until_finished(self) -> None:
         """Wait for the save in flight and its retention deletions; re-raise a background failure."""
-        try:
-            self._wait()
-        finally:
-            self.store.drop_reusable(self._workers and self._workers.fsync)
+        self._check_process()
+        with self._turn:
+            try:
+                self._wait()
+            finally:
+                self.store.drop_reusable(self._workers and self._workers.fsync)
+
+    def _check_process(self) -> None:
+        """A forked child's copy of a writing manager has no writer threads (a save would hang) and
+        must not touch what its parent writes: refused."""
+        if os.getpid() != self._pid and not self.read_only:
+            raise CheckpointError(
+                f"this CheckpointManager of {self.store.url} was created in process {self._pid}, and this is a "
+                f"forked child ({os.getpid()}); a child cannot save through its parent's manager. Fix: save "
+                f"from the parent, or close it there and create a CheckpointManager in the child")
 
     @property
     def last_stats(self) -> SaveStats | None:
@@ -428,8 +463,7 @@ class CheckpointManager:
         step = _check_step(step)
         if step not in self.all_steps():
             return None
-        if step not in self._infos:
-            self._step_infos()
+        self._step_infos()
         why = self._damaged.get(step)
         if why is not None:
             raise CorruptCheckpointError(f"step {step} in {self.store.url}: its manifest cannot be read "
@@ -629,7 +663,15 @@ class CheckpointManager:
 
     # -- lifetime -----------------------------------------------------------------------------
     def close(self) -> None:
-        """Wait for the save in flight (re-raising its failure), then release the directory."""
+        """Wait for the save in flight (re-raising its failure), then release the directory. In a
+        forked child, the parent's manager is only marked closed there (the parent's to close)."""
+        if os.getpid() != self._pid:
+            self._closed = True
+            return
+        with self._turn:
+            self._close_in_turn()
+
+    def _close_in_turn(self) -> None:
         if self._closed:
             return
         try:

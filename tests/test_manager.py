@@ -2,6 +2,7 @@
 
 import logging
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -631,3 +632,95 @@ def test_numpy_leaves_of_the_other_byte_order_restore_their_values(ckdir, kind):
         out = m.restore(1)
     for k, v in expect.items():
         assert out[k].dtype == v.dtype.newbyteorder("=") and np.array_equal(out[k], v), k
+
+
+def test_saves_from_several_threads_take_turns_and_commit_what_each_passed(ckdir):
+    """Two threads saving through one manager: a save started another's thread (RuntimeError),
+    saves that returned True were never committed, and a step was committed with another step's
+    data (the pool's buffers recycled under a save in flight), which `verify` passed."""
+    errors, started = [], []
+    with cc.CheckpointManager(ckdir, retention=cc.KeepLast(40)) as m:
+        def run(first):
+            try:
+                for s in range(first, 31, 2):
+                    big = np.full(70_000, float(s), np.float32)   # over the pool's smallest buffer
+                    if m.save(s, {"w": big, "x": big + 1}):
+                        started.append(s)
+            except Exception as e:  # noqa: BLE001
+                errors.append(e)
+        threads = [threading.Thread(target=run, args=(i,)) for i in (1, 2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        m.wait_until_finished()
+        assert not errors and sorted(started) == list(range(1, 31)) and m.all_steps() == list(range(1, 31))
+        for s in m.all_steps():
+            out = m.restore(s)
+            assert (out["w"] == s).all() and (out["x"] == s + 1).all(), s
+
+
+def test_a_forked_child_cannot_save_through_its_parents_manager(ckdir):
+    """A child inherits no writer threads: its save hung for good, as a second writer under the
+    parent's lock. Refused, saying so; its close leaves the parent's manager and files alone."""
+    with cc.CheckpointManager(ckdir, retention=cc.KeepLast(1)) as m:
+        m.save(1, tree(1))
+        m.save(2, tree(2))
+        m.wait_until_finished()
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:   # the child: report, never return into pytest
+            signal.alarm(30)   # (a save that hangs ends the child, and fails the test)
+            code = 0
+            try:
+                m.save(3, tree(3))
+                code = 1
+            except cc.CheckpointError as e:
+                code = 0 if "forked child" in str(e) else 2
+            try:
+                m.wait_until_finished()
+                code = code or 3
+            except cc.CheckpointError:
+                pass
+            m.close()
+            np.testing.assert_array_equal(m.restore(2)["x"], tree(2)["x"])   # reading is fine
+            os.write(w, bytes([code]))
+            os._exit(0)
+        os.close(w)
+        _, status = os.waitpid(pid, 0)
+        assert os.WEXITSTATUS(status) == 0 and os.read(r, 1) == b"\0"
+        assert m.save(3, tree(3)) and not m._closed
+        m.wait_until_finished()
+        assert m.all_steps() == [3] and os.path.exists(os.path.join(ckdir, ".ckpt_callbacks.lock"))
+    assert sorted(os.listdir(ckdir)) == ["step_0000000003"]
+
+
+def test_a_readers_metrics_follow_a_forced_replacement(ckdir):
+    reader = cc.CheckpointManager(ckdir, read_only=True)
+    with cc.CheckpointManager(ckdir, retention=cc.KeepBest("val", "min", 2)) as m:
+        m.save(5, tree(5), metrics={"val": 1.0})
+        m.save(6, tree(6), metrics={"val": 2.0})
+        m.wait_until_finished()
+        assert reader.metrics(6) == {"val": 2.0}
+        m.save(6, tree(6), metrics={"val": 0.5}, force=True)
+        m.wait_until_finished()
+    assert reader.metrics(6) == {"val": 0.5}
+    reader.policies = [cc.KeepBest("val", "min", 1)]
+    assert reader.best_step() == 6
+
+
+def test_a_failed_save_is_raised_by_the_next_save_even_when_that_one_is_not_due(ckdir, monkeypatch):
+    import ckpt_callbacks.manager as mm
+
+    def full(*a, **k):
+        raise OSError(28, "No space left on device (simulated)")
+    with cc.CheckpointManager(ckdir, save_interval_steps=10) as m:
+        monkeypatch.setattr(mm, "write_and_commit", full)
+        assert m.save(10, tree(10))
+        m._thread.join()   # the failure is in; nobody has been told yet
+        with pytest.raises(OSError, match="No space left"):
+            m.save(11, tree(11))
+        assert not m.save(12, tree(12))   # told once
+        monkeypatch.undo()
+        assert m.save(20, tree(20))
+    assert cc.CheckpointManager(ckdir, read_only=True).all_steps() == [20]
