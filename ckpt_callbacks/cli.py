@@ -73,6 +73,16 @@ def _parse_best(text: str, with_n: bool):
     return {"metric": parts[0], "mode": parts[1], "n": n}
 
 
+def _positive_int(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive int, got {text!r}")
+    return n
+
+
 def _steps_list(text: str) -> list[int]:
     parts = text.split(",")
     try:
@@ -310,7 +320,7 @@ def cmd_gc(args, store, out) -> int:
               "keep_steps": args.keep_steps, "keep_every_n_seconds": args.keep_every_n_seconds}
     config = {k: v for k, v in config.items() if v is not None}
     if not config:
-        out.write("gc: give at least one retention flag (--keep-last, --keep-every, --keep-best, --keep-steps, "
+        sys.stderr.write("ckpt-callbacks gc: give at least one retention flag (--keep-last, --keep-every, --keep-best, --keep-steps, "
                   "--keep-every-n-seconds); nothing deleted\n")
         return 2
     try:
@@ -449,7 +459,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("timeline", help="render recent saves' phases (snapshot, write, commit, gc) as HTML/SVG")
     s.add_argument("directory", **d)
     s.add_argument("-o", "--output", default="ckpt-timeline.html", help="output file, '-' for stdout")
-    s.add_argument("--last", type=int, default=50, metavar="N", help="the N most recent committed saves")
+    s.add_argument("--last", type=_positive_int, default=50, metavar="N", help="the N most recent committed saves")
     s.add_argument("--svg", action="store_true", help="write only the SVG picture (for docs)")
     sub.add_parser("bench", help="benchmarks (see `ckpt-callbacks bench --help`)", add_help=False)
     return p
@@ -473,7 +483,7 @@ def _main(argv, out) -> int:
     if argv and argv[0] == "bench":
         return cmd_bench(argv[1:], out)
     args = build_parser().parse_args(argv)
-    from .errors import CheckpointError, CheckpointNotFoundError
+    from .errors import CheckpointError, CheckpointNotFoundError, ConfigError
     from .storage import open_store
     try:
         store = open_store(args.directory)
@@ -484,6 +494,9 @@ def _main(argv, out) -> int:
     except BrokenPipeError:   # `ckpt-callbacks inspect DIR | head`: the reader left; stop quietly
         sys.stdout = open(os.devnull, "w")
         return 0
+    except ConfigError as e:   # e.g. `s3://` without a bucket: bad usage, as argparse's refusals
+        sys.stderr.write(f"ckpt-callbacks {args.cmd}: {type(e).__name__}: {e}\n")
+        return 2
     except (CheckpointError, ValueError, OSError) as e:
         sys.stderr.write(f"ckpt-callbacks {args.cmd}: {type(e).__name__}: {e}\n")
         return 1

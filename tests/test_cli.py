@@ -259,8 +259,8 @@ def test_gc_verify_keeps_an_intact_step_in_place_of_a_damaged_one(ckpt, tmp_path
 def test_gc_needs_a_policy_and_removes_partial_only_when_asked(ckpt, tmp_path):
     d = str(tmp_path / "run")
     shutil.copytree(ckpt, d)
-    rc, out, _ = run("gc", d)
-    assert rc == 2 and "at least one retention flag" in out
+    rc, out, err = run("gc", d)
+    assert rc == 2 and "at least one retention flag" in err and not out
     os.makedirs(os.path.join(d, "step_0000000050.tmp-0123456789ab"))
     rc, out, _ = run("gc", d, "--keep-every", "10")
     assert open_store(d).leftovers() == ["step_0000000050.tmp-0123456789ab"]
@@ -329,6 +329,18 @@ def test_timeline_writes_self_contained_html(ckpt, tmp_path):
         assert f"step {s} snapshot" in page and f"step {s} write" in page
     # commit and gc of 20 and 30 come from the next save's manifest; 40 is the newest
     assert "step 30 commit" in page and "step 30 gc" in page and "step 40 commit" not in page
+    rc, out, _ = run("timeline", ckpt, "-o", out_path, "--last", "2")
+    assert rc == 0 and "2 saves" in out
+    for bad in ("0", "-2", "x"):   # (--last 0 drew every save, --last -2 all but two)
+        with pytest.raises(SystemExit) as e:
+            run("timeline", ckpt, "-o", out_path, "--last", bad)
+        assert e.value.code == 2
+
+
+@pytest.mark.parametrize("url", ["s3://", "gs://", "s3:///prefix"])
+def test_a_malformed_object_store_url_is_bad_usage(url):
+    rc, out, err = run("ls", url)
+    assert rc == 2 and "ConfigError" in err and not out, (rc, out, err)
 
 
 @pytest.mark.parametrize("sub", ["ls", "inspect", "verify", "gc", "timeline"])
