@@ -48,7 +48,7 @@ from . import coordination, lock, restore as restore_mod, snapshot
 from . import format as fmt
 from .errors import (CheckpointError, CheckpointNotFoundError, CheckpointSaveError, ConfigError,
                      CorruptCheckpointError, IncompatibleCheckpointError, StorageUnavailableError)
-from .retention import StepInfo, as_policies, best_policy, decide
+from .retention import StepInfo, as_int, as_policies, best_policy, decide
 from .storage import open_store
 from .writing import SaveStats, Workers, WriteThrough, write_and_commit
 
@@ -110,12 +110,14 @@ def check_save_options(async_save, max_staging_bytes) -> None:
 
 
 def _check_step(step) -> int:
-    """`step` as an int (numpy integers too), or ConfigError: a step names a directory of 10 digits."""
+    """`step` as an int (numpy integers and 0-d integer arrays too), or ConfigError: a step names a
+    directory of 10 digits."""
+    i = as_int(step)
     try:
-        fmt.step_name(step)
+        fmt.step_name(step if i is None else i)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    return int(step)
+    return i
 
 
 def _check_metrics(metrics) -> dict:
@@ -127,10 +129,16 @@ def _check_metrics(metrics) -> dict:
     for k, v in metrics.items():
         if not isinstance(k, str):
             raise ConfigError(f"metrics key {k!r} must be a str")
-        if isinstance(v, int) and not isinstance(v, bool) and not -2**63 <= v < 2**64:
-            raise ConfigError(f"metrics[{k!r}] = {v} does not fit in 64 bits; pass it as a float")
+        if isinstance(v, bool) or getattr(v, "dtype", None) == bool:
+            out[k] = bool(v)   # kept as a bool (never ranks), numpy's as Python's
+            continue
+        if (i := as_int(v)) is not None:   # numpy and 0-d jax ints exactly, as Python's
+            if not -2**63 <= i < 2**64:
+                raise ConfigError(f"metrics[{k!r}] = {v} does not fit in 64 bits; pass it as a float")
+            out[k] = i
+            continue
         try:
-            out[k] = v if isinstance(v, (str, bool, int)) else float(v)
+            out[k] = v if isinstance(v, str) else float(v)
         except (TypeError, ValueError):
             raise ConfigError(f"metrics[{k!r}] must be a number or str, got {type(v).__name__}") from None
     return out
@@ -153,8 +161,9 @@ class CheckpointManager:
     def __init__(self, directory, *, save_interval_steps: int = 1, retention=None, async_save: bool = True,
                  max_staging_bytes: int | None = None, timeout_s: float = 600.0, clock=time.time,
                  read_only: bool = False, coordinator: coordination.Coordinator | None = None):
-        if isinstance(save_interval_steps, bool) or not isinstance(save_interval_steps, int) or save_interval_steps < 1:
+        if (interval := as_int(save_interval_steps)) is None or interval < 1:
             raise ConfigError(f"save_interval_steps must be a positive int, got {save_interval_steps!r}")
+        save_interval_steps = interval
         check_save_options(async_save, max_staging_bytes)
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, numbers.Real) or not 0 < timeout_s < math.inf:
             raise ConfigError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")

@@ -46,13 +46,14 @@ __all__ = ["restore", "read_manifest", "read_host_state", "leaf_reader"]
 
 def read_manifest(store: Store, step: int) -> dict:
     rel = f"{fmt.step_name(step)}/{fmt.MANIFEST}"
+    where = f"{store.url.rstrip('/')}/{rel}"   # (an object store's url ends with "/")
     try:
         data = store.read(rel)
     except OSError as e:
         if isinstance(e, (CheckpointNotFoundError, StorageUnavailableError)):
             raise
-        raise CorruptCheckpointError(f"{store.url}/{rel} cannot be read: {e}") from None   # e.g. EIO
-    return fmt.unpack_manifest(data, where=f"{store.url}/{rel}")
+        raise CorruptCheckpointError(f"{where} cannot be read: {e}") from None   # e.g. EIO
+    return fmt.unpack_manifest(data, where=where)
 
 
 def read_host_state(store: Store, step: int, manifest: dict, process_index: int):

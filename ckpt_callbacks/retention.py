@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 from typing import Iterable, Mapping, Sequence
 
 from .errors import ConfigError
@@ -41,10 +42,22 @@ class Policy:
         raise NotImplementedError
 
 
+def as_int(v) -> int | None:
+    """`v` as an int where it is an integer: a Python or numpy int, a 0-d integer array (a jax
+    step counter); None otherwise (a bool, a float, a str)."""
+    if isinstance(v, (bool, float, str, bytes)) or getattr(v, "dtype", None) == bool:
+        return None
+    try:
+        return int(operator.index(v))
+    except TypeError:
+        return None
+
+
 def _positive(name, n):
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+    i = as_int(n)
+    if i is None or i < 1:
         raise ConfigError(f"{name} must be a positive int, got {n!r}")
-    return n
+    return i
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,7 +66,7 @@ class KeepLast(Policy):
     n: int
 
     def __post_init__(self):
-        _positive("keep_last", self.n)
+        object.__setattr__(self, "n", _positive("keep_last", self.n))
 
     def keep(self, infos):
         return set(sorted(i.step for i in infos)[-self.n:])
@@ -65,7 +78,7 @@ class KeepEvery(Policy):
     n: int
 
     def __post_init__(self):
-        _positive("keep_every", self.n)
+        object.__setattr__(self, "n", _positive("keep_every", self.n))
 
     def keep(self, infos):
         return {i.step for i in infos if i.step % self.n == 0}
@@ -81,9 +94,10 @@ class KeepSteps(Policy):
             items = None if isinstance(steps, (str, bytes)) else list(steps)
         except TypeError:   # not a collection: an int, None
             items = None
-        if items is None or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in items):
+        ints = None if items is None else [as_int(s) for s in items]
+        if ints is None or not all(i is not None and i >= 0 for i in ints):
             raise ConfigError(f"keep_steps must be a list of non-negative ints, got {steps if items is None else items!r}")
-        object.__setattr__(self, "steps", frozenset(items))
+        object.__setattr__(self, "steps", frozenset(ints))
 
     def keep(self, infos):
         return {i.step for i in infos if i.step in self.steps}
@@ -101,7 +115,7 @@ class KeepBest(Policy):
             raise ConfigError(f"keep_best.metric must be a non-empty str, got {self.metric!r}")
         if self.mode not in ("min", "max"):
             raise ConfigError(f"keep_best.mode must be 'min' or 'max', got {self.mode!r}")
-        _positive("keep_best.n", self.n)
+        object.__setattr__(self, "n", _positive("keep_best.n", self.n))
 
     def rank(self, infos: Sequence[StepInfo]) -> list[int]:
         """Steps that reported the metric, best first."""

@@ -724,3 +724,27 @@ def test_a_failed_save_is_raised_by_the_next_save_even_when_that_one_is_not_due(
         monkeypatch.undo()
         assert m.save(20, tree(20))
     assert cc.CheckpointManager(ckdir, read_only=True).all_steps() == [20]
+
+
+def test_numpy_and_jax_integers_are_ints_everywhere_and_numpy_metrics_keep_their_kind(ckdir):
+    """`save_interval_steps=np.int64(10)`, `KeepLast(np.int64(3))` and a jax step counter were
+    refused; a numpy int metric was stored as a float (2**53 + 1 lost its last bit) and a numpy
+    bool as 1.0, which ranked (a Python bool never does)."""
+    import jax.numpy as jnp
+    policies = [cc.KeepLast(np.int64(1)), cc.KeepSteps(np.array([20])), cc.KeepBest("n", "max", np.int32(1))]
+    assert [p.n for p in (policies[0], policies[2])] == [1, 1] and type(policies[0].n) is int
+    with cc.CheckpointManager(ckdir, save_interval_steps=np.int64(10), retention=policies) as m:
+        assert not m.save(jnp.int32(15), tree(15))
+        assert m.save(jnp.int32(20), tree(20), metrics={"n": np.int64(2 ** 53 + 1), "ok": np.bool_(True)})
+        assert m.save(np.uint64(30), tree(30), metrics={"n": jnp.int32(3), "ok": jnp.array(False)})
+        assert m.save(40, tree(40), metrics={"n": 1})
+        m.wait_until_finished()
+        assert m.all_steps() == [20, 40]
+    m = cc.CheckpointManager(ckdir, read_only=True, retention=cc.KeepBest("ok", "max"))
+    assert m.metrics(20) == {"n": 2 ** 53 + 1, "ok": True} and type(m.metrics(20)["n"]) is int
+    assert m.best_step() is None   # bools never rank
+    for bad in (True, 2.0, jnp.float32(2), jnp.array([1, 2]), np.bool_(True)):
+        with pytest.raises(cc.ConfigError):
+            cc.CheckpointManager(ckdir, read_only=True, save_interval_steps=bad)
+        with pytest.raises(cc.ConfigError):
+            cc.KeepLast(bad)
