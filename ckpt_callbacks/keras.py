@@ -17,8 +17,8 @@ Who calls what, in which order (Keras calls the hooks; on every process under mu
   * `batches` (a generator over a ``data=`` iterator, passed to `fit`), at its first ``next()``:
     puts the iterator at the latest committed step's position, before Keras reads the first
     batches to learn their shapes (which it does before any hook runs, and trains on first).
-  * `on_train_begin`: refuses a second AsyncCheckpoint in the same `fit` and a model whose state
-    Keras cannot collect (`ConfigError`), then opens a `CheckpointManager` on `directory`; if a step is committed there,
+  * `on_train_begin`: refuses several AsyncCheckpoints in one `fit` and a model whose state
+    Keras cannot collect (`ConfigError`, before anything is opened or restored), then opens a `CheckpointManager` on `directory`; if a step is committed there,
     restores it strictly into the model (every variable or an `IncompatibleCheckpointError` listing
     the mismatched paths), restores the host RNGs Keras' input pipelines draw from, and makes `fit`
     start at the next unseen epoch (it sets ``model._initial_epoch``, the attribute Keras' own
@@ -74,6 +74,7 @@ log = logging.getLogger("ckpt_callbacks")
 # thread its fit ran on), see `_close_abandoned`. The callback of a fit that raised may be collected
 # before its manager is (whose lock holds the directory until it is closed or collected).
 _OPEN: dict = {}
+_ALL = weakref.WeakSet()   # every AsyncCheckpoint (`_refuse_another_in_this_fit`)
 _HOOK_WAIT_S = 60.0   # how long a mid-epoch save waits for the batch-end hook of its last step
 
 
@@ -244,6 +245,7 @@ class AsyncCheckpoint(keras.callbacks.Callback):
                  keep_best: int | bool | None = None, resume: bool = True, data=None, async_save: bool = True,
                  max_staging_bytes: int | None = None, verbose: int = 0, fallback: bool = False):
         super().__init__()
+        _ALL.add(self)
         if keras.config.backend() != "jax":
             raise ConfigError(f"AsyncCheckpoint needs the JAX backend, but Keras runs on "
                               f"{keras.config.backend()!r}. Fix: set KERAS_BACKEND=jax before importing keras.")
@@ -428,8 +430,15 @@ class AsyncCheckpoint(keras.callbacks.Callback):
         try:
             self._resume()
         except BaseException:   # nothing trains: the directory is free again for a fixed model or callback
+            self._undo_initial_epoch()
             self._close(raise_errors=False)
             raise
+
+    def _undo_initial_epoch(self) -> None:
+        """Clear the `model._initial_epoch` a resume set (Keras never does: a later fit() would start there)."""
+        if self._set_initial_epoch:
+            self.model._initial_epoch = None
+            self._set_initial_epoch = False
 
     def _close_abandoned(self) -> None:
         """Close the manager that another AsyncCheckpoint left open on this directory when its
@@ -455,13 +464,10 @@ class AsyncCheckpoint(keras.callbacks.Callback):
         """Two AsyncCheckpoints in one fit() (e.g. a fast local one beside a remote one) would each
         restore their own latest step, one after the other, into the same model and data: the
         model would hold one's step and the data another's position, and the later saves would
-        be numbered from that mix. Refused, before this one opens anything; the other is closed
-        (this fit() trains nothing)."""
-        for ref, _, _ in list(_OPEN.values()):
-            other = ref()
-            if (other is not None and other is not self and other._open and other.model is self.model
-                    and other.params is self.params):
-                other._close(raise_errors=False)
+        be numbered from that mix. Refused by the first one's on_train_begin, before anything is
+        opened or restored: Keras gives every callback of a fit() the same `params` before it."""
+        for other in list(_ALL):
+            if other is not self and other.params is self.params and other.model is self.model:
                 raise ConfigError(
                     f"AsyncCheckpoint: this fit() has two AsyncCheckpoint callbacks ({other.directory} and "
                     f"{self.directory}); each would resume from its own latest step, into the same model. "
@@ -688,8 +694,10 @@ class AsyncCheckpoint(keras.callbacks.Callback):
         # the data ended, and that call may have saved this very step mid-epoch (no metrics, the
         # epoch not ended): the epoch-end save replaces it.
         again, self._mid_saved = self._mid_saved == self._global_step, None
-        # `stop_training` set inside the epoch (a time budget): its batches did not all run
-        partial = self._epoch_end is not None and self._batch < self._epoch_end
+        # `stop_training` set inside the epoch (a time budget): its batches did not all run (not
+        # an epoch whose data ran out before steps_per_epoch: Keras trains on, and it has ended)
+        partial = (getattr(self.model, "stop_training", False) and self._epoch_end is not None
+                   and self._batch < self._epoch_end)
         if partial and self.data is None:
             log.warning("ckpt_callbacks: AsyncCheckpoint: fit() stopped after batch %d of epoch %d's %d; not "
                         "saving it as an ended epoch (a resumed fit() would skip the rest of it); the last "
@@ -720,9 +728,7 @@ class AsyncCheckpoint(keras.callbacks.Callback):
         self._yields_mark = self._yields
         last = self._data_saved if self._state_iterator() else None
         claim = last[0] if last is not None and _same(last[1], _state_of(self.data)) else None
-        if self._set_initial_epoch:
-            self.model._initial_epoch = None
-            self._set_initial_epoch = False
+        self._undo_initial_epoch()
         self._data_at = None
         self._close(raise_errors=True)
         self._data_at = claim   # only once the step it names is committed

@@ -69,23 +69,28 @@ def _close_at_exit() -> None:
     over as stale, their leftovers go at the next start), after logging a failure nobody was told
     of. A forked child forgets its parent's managers (`os.register_at_fork`)."""
     for m in list(_OPEN):
-        if m._closed:
-            continue
-        t, caller = m._thread, m._caller
-        if t is None or not t.is_alive():
-            if m._error is not None:
-                log.error("ckpt_callbacks: the last save to %s failed, and the CheckpointManager was not "
-                          "closed to say so: %s", m.store.url, m.store.redact(str(m._error)))
-            continue
-        if caller is not threading.main_thread() and caller.is_alive():
-            continue
-        log.warning("ckpt_callbacks: the CheckpointManager of %s was not closed; finishing its save in "
-                    "flight at exit (call close(), or use it as a context manager)", m.store.url)
-        try:
-            m.close()
-        except BaseException as e:  # noqa: BLE001 - nobody is left to raise to
-            log.error("ckpt_callbacks: closing the CheckpointManager of %s at exit failed: %s",
-                      m.store.url, m.store.redact(str(e)))
+        with m._turn:   # (a thread inside `save` now: judged once that call has returned)
+            _close_left_open(m)
+
+
+def _close_left_open(m) -> None:
+    if m._closed:
+        return
+    t, caller = m._thread, m._caller
+    if t is None or not t.is_alive():
+        if m._error is not None:
+            log.error("ckpt_callbacks: the last save to %s failed, and the CheckpointManager was not "
+                      "closed to say so: %s", m.store.url, m.store.redact(str(m._error)))
+        return
+    if caller is not threading.main_thread() and caller.is_alive():
+        return
+    log.warning("ckpt_callbacks: the CheckpointManager of %s was not closed; finishing its save in "
+                "flight at exit (call close(), or use it as a context manager)", m.store.url)
+    try:
+        m.close()
+    except BaseException as e:  # noqa: BLE001 - nobody is left to raise to
+        log.error("ckpt_callbacks: closing the CheckpointManager of %s at exit failed: %s",
+                  m.store.url, m.store.redact(str(e)))
 
 
 def _watch_exit(manager) -> None:
@@ -129,7 +134,7 @@ def _check_metrics(metrics) -> dict:
     for k, v in metrics.items():
         if not isinstance(k, str):
             raise ConfigError(f"metrics key {k!r} must be a str")
-        if isinstance(v, bool) or getattr(v, "dtype", None) == bool:
+        if isinstance(v, bool) or (getattr(v, "dtype", None) == bool and getattr(v, "shape", None) == ()):
             out[k] = bool(v)   # kept as a bool (never ranks), numpy's as Python's
             continue
         if (i := as_int(v)) is not None:   # numpy and 0-d jax ints exactly, as Python's
@@ -444,14 +449,17 @@ class CheckpointManager:
             finally:
                 self.store.drop_reusable(self._workers and self._workers.fsync)
 
-    def _check_process(self) -> None:
+    def _check_process(self, reading: bool = False) -> None:
         """A forked child's copy of a writing manager has no writer threads (a save would hang) and
-        must not touch what its parent writes: refused."""
-        if os.getpid() != self._pid and not self.read_only:
+        must not touch what its parent writes; and tensorstore, once the parent has used it, aborts
+        a forked child that uses it (a restore): both refused."""
+        if os.getpid() != self._pid and (reading or not self.read_only):
             raise CheckpointError(
                 f"this CheckpointManager of {self.store.url} was created in process {self._pid}, and this is a "
-                f"forked child ({os.getpid()}); a child cannot save through its parent's manager. Fix: save "
-                f"from the parent, or close it there and create a CheckpointManager in the child")
+                f"forked child ({os.getpid()}); a child can neither save nor restore through its parent's "
+                f"manager (tensorstore, once used, aborts a forked child that uses it). Fix: save and restore "
+                f"in the parent, or start the worker with the 'spawn' or 'forkserver' method and create a "
+                f"CheckpointManager there")
 
     @property
     def last_stats(self) -> SaveStats | None:
@@ -505,6 +513,7 @@ class CheckpointManager:
         `CheckpointNotFoundError`; with ``step=None`` in one process the steps are listed again
         and the new latest is read instead (a few times at most).
         """
+        self._check_process(reading=True)
         alone = self.coord.process_count == 1 or self.read_only
         for attempt in range(3):
             try:

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 import weakref
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
@@ -249,15 +250,36 @@ def test_two_async_checkpoints_in_one_fit_are_refused_before_the_second_opens_an
     (the model held one's step, the data the other's position) and numbered its saves from that."""
     x, y, _ = _data()
     other = ckdir + "-other"
-    for dirs in ((ckdir, ckdir), (ckdir, other)):
+    model = _model()
+    model.fit(x, y, batch_size=16, epochs=2, verbose=0, callbacks=[AsyncCheckpoint(ckdir)])
+    kernel = model.get_layer("d1").kernel
+    kernel.assign(np.zeros(kernel.shape, "float32"))   # a restore of step 8 would change it
+    for dirs in ((ckdir, ckdir), (other, ckdir), (ckdir, other)):
         first, second = AsyncCheckpoint(dirs[0]), AsyncCheckpoint(dirs[1])
         with pytest.raises(cc.ConfigError, match="this fit\\(\\) has two AsyncCheckpoint callbacks"):
-            _model().fit(x, y, batch_size=16, epochs=2, verbose=0, callbacks=[first, second])
-        assert not first._open and not os.path.exists(os.path.join(ckdir, ".ckpt_callbacks.lock"))
-        assert not os.path.exists(other)
-    cb = AsyncCheckpoint(ckdir)   # the directory is free; nothing was saved
-    _model().fit(x, y, batch_size=16, epochs=1, verbose=0, callbacks=[cb])
-    assert cb.resumed_step is None and cb.manager.all_steps() == [4]
+            model.fit(x, y, batch_size=16, epochs=3, verbose=0, callbacks=[first, second])
+        assert first.manager is None and second.manager is None   # nothing opened, nothing restored
+        assert not os.path.exists(os.path.join(ckdir, ".ckpt_callbacks.lock")) and not os.path.exists(other)
+        # (a restore had left model._initial_epoch at 2: every later fit() of it began there)
+        assert not np.asarray(kernel.value).any() and model._initial_epoch is None
+    assert model.fit(x, y, batch_size=16, epochs=1, verbose=0).epoch == [0]
+    cb = AsyncCheckpoint(ckdir)
+    _model().fit(x, y, batch_size=16, epochs=3, verbose=0, callbacks=[cb])
+    assert cb.resumed_step == 8 and cb.manager.all_steps() == [4, 8, 12]
+
+
+def test_an_epoch_whose_data_ran_out_before_steps_per_epoch_is_saved_as_ended(ckdir):
+    """Keras trains on when the data runs out before `steps_per_epoch` (with a warning); no
+    `stop_training`: each epoch has ended, and is saved so (it was taken for a stopped epoch)."""
+    x, y, _ = _data()
+    model = _model()
+    cb = AsyncCheckpoint(ckdir, data=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model.fit(x, y, batch_size=8, steps_per_epoch=20, epochs=3, verbose=0, callbacks=[cb])
+    m = cc.CheckpointManager(ckdir, read_only=True)
+    assert m.all_steps() == [8, 16, 24]
+    assert [int(m.restore(s)["progress"]["batch"]) for s in m.all_steps()] == [0, 0, 0]
 
 
 def test_a_model_whose_state_keras_cannot_collect_fails_before_training(ckdir):
