@@ -305,10 +305,9 @@ class CheckpointHook:
                         "step done since the start of the run; a step already saved is not saved again", step,
                         self._last_step)
         self._last_step = step
-        preempted, timer = self._agree(step)
-        due = (timer or step in self.on_steps
-               or (self.every_steps is not None and step % self.every_steps == 0)
-               or (bool(metrics) and self.save_on_eval))
+        preempted, timer, evaled = self._agree(step, bool(metrics) and self.save_on_eval)
+        due = (timer or evaled or step in self.on_steps
+               or (self.every_steps is not None and step % self.every_steps == 0))
         started = False
         if (due or preempted) and step != self.last_saved_step:
             started = self.save(step, state, metrics=metrics)
@@ -341,18 +340,19 @@ class CheckpointHook:
             self._last_save_time = self.clock()
         return started
 
-    def _agree(self, step) -> tuple[bool, bool]:
-        """(preempted, every_secs timer fired), the same answer on every process."""
+    def _agree(self, step, evaled: bool) -> tuple[bool, bool, bool]:
+        """(preempted, every_secs timer fired, eval metrics given), the same answer on every
+        process: one that evaluates alone (metrics on process 0 only) saves with the others."""
         preempted = bool(self._watcher and self._watcher.requested)
         timer = self.every_secs is not None and self.clock() - self._last_save_time >= self.every_secs
-        if self.coord.process_count > 1 and (self._watcher is not None or self.every_secs is not None):
+        if self.coord.process_count > 1 and (self._watcher is not None or self.every_secs is not None
+                                             or self.save_on_eval):
             self._calls += 1
-            mine = bytes([int(preempted), int(timer)])
+            mine = bytes([int(preempted), int(timer), int(evaled)])
             got = self.coord.all_gather(f"hook/{self.manager.store.url.lstrip('/')}/{self._calls}", mine,
                                         self.manager.timeout_s)
-            preempted = any(g[0] for g in got)
-            timer = any(g[1] for g in got)
-        return preempted, timer
+            preempted, timer, evaled = (any(g[i] for g in got) for i in range(3))
+        return preempted, timer, evaled
 
     def _stop(self, step) -> None:
         if self._watcher is not None:       # handled: a loop that goes on saves on schedule again

@@ -259,22 +259,28 @@ class CheckpointManager:
             self._wait()
         if not due and step % self.save_interval_steps:
             return False
-        metrics = _check_metrics(metrics)
+        refused = None   # this process's checks of the call: told to the others, who refuse it too
+        try:
+            metrics = _check_metrics(metrics)
+            try:
+                host_bytes = None if host_state is None else fmt.pack_host_state(host_state)
+            except TypeError as e:
+                raise ConfigError(f"host_state must be msgpack-able (dicts, lists, str, bytes, bool, None, "
+                                  f"numbers within 64 bits): {e}") from None
+            snap = snapshot.plan(tree, coord=self.coord)
+        except Exception as e:  # noqa: BLE001 - raised here, after the other processes hear of it
+            if self.coord.process_count == 1:
+                raise
+            refused = e
         self._wait()
         self._caller = threading.current_thread()
         self._pool.recycle()   # the previous save's writer is joined: its copies are free again
-        token, committed = self._agree_to_save(step)
+        token, committed, metrics = self._agree_to_save(step, metrics, refused)
         if committed and not replace:
             if not quiet:
                 log.warning("ckpt_callbacks: step %d is already committed in %s; not saving it again "
                             "(pass force=True to replace it)", step, self.store.url)
             return False
-        try:
-            host_bytes = None if host_state is None else fmt.pack_host_state(host_state)
-        except TypeError as e:
-            raise ConfigError(f"host_state must be msgpack-able (dicts, lists, str, bytes, bool, None, "
-                              f"numbers within 64 bits): {e}") from None
-        snap = snapshot.plan(tree, coord=self.coord)
         budget = snapshot.ByteBudget(self.max_staging_bytes)
         items: queue.SimpleQueue = queue.SimpleQueue()
         save_time = self.clock()
@@ -341,29 +347,49 @@ class CheckpointManager:
             self._wait()
         return True
 
-    def _agree_to_save(self, step: int) -> tuple[str, bool]:
-        """(the save's token, whether `step` is committed), as process 0 sees them, on every process:
-        with several processes, each listing for itself could answer differently (an outage on one)
-        and leave their save counters apart for good. A listing that fails fails the save everywhere
-        (CheckpointSaveError, nothing started; the next save tries again)."""
+    def _agree_to_save(self, step: int, metrics: dict, refused: Exception | None) -> tuple[str, bool, dict]:
+        """(the save's token, whether `step` is committed, the metrics to record), the same on every
+        process: with several processes, each listing for itself could answer differently (an
+        outage on one) and leave their save counters apart for good. So do a call that only one
+        process refuses (its own checks: metrics, host state, tree), saves of different steps
+        (e.g. threads whose saves reach the processes in different orders), and metrics given on
+        one process only: every process hears of all of it here, and refuses alike (nothing
+        started; the next save tries again). The metrics recorded are process 0's, or, where it
+        gave none, the first process's that did. A listing that fails fails the save everywhere
+        (CheckpointSaveError)."""
         pi, multi = self.coord.process_index, self.coord.process_count > 1
-        mine, error = None, None
+        why = None if refused is None else f"{type(refused).__name__}: {refused}"
+        mine, error = [step, why, metrics if refused is None else {}, None, False, None], None
         if pi == 0:
             try:
-                mine = [os.urandom(6).hex(), step in self.all_steps(), None]
+                mine[3:5] = [os.urandom(6).hex(), step in self.all_steps()]
             except Exception as e:  # noqa: BLE001 - told to the others, then raised everywhere
                 error = e
-                mine = [None, False, f"{type(e).__name__}: {self.store.redact(str(e))}"]
+                mine[5] = f"{type(e).__name__}: {self.store.redact(str(e))}"
+        got = [mine]
         if multi:
             self._nsaves += 1
-            mine = msgpack.unpackb(self.coord.broadcast(
-                f"save/{self._nsaves}/token", msgpack.packb(mine) if pi == 0 else None, self.timeout_s))
-        token, committed, failed = mine
+            got = [msgpack.unpackb(g) for g in self.coord.all_gather(
+                f"save/{self._nsaves}/agree", msgpack.packb(mine), self.timeout_s)]
+        steps = {i: g[0] for i, g in enumerate(got)}
+        if len(set(steps.values())) > 1:
+            raise CheckpointSaveError(
+                f"nothing was saved: the processes called save() with different steps ({steps}); every "
+                f"process must save the same steps in the same order (one thread saving per process)",
+                {i: f"step {s}" for i, s in steps.items()})
+        failures = {i: g[1] for i, g in enumerate(got) if g[1] is not None}
+        if refused is not None:
+            raise refused
+        if failures:
+            raise CheckpointSaveError(
+                f"step {step} was not saved: process(es) {sorted(failures)} refused the call "
+                f"({'; '.join(f'{i}: {w}' for i, w in failures.items())}); nothing was started", failures)
+        token, committed, failed = got[0][3:]
         if failed is not None:
             raise CheckpointSaveError(
                 f"step {step} was not saved: the committed steps of {self.store.url} cannot be listed "
                 f"({failed}); nothing was started, the next save tries again", {0: failed}) from error
-        return token, committed
+        return token, committed, got[0][2] or next((g[2] for g in got if g[2]), {})
 
     def _retain(self, stats: SaveStats, token: str = "") -> SaveStats:
         """Process 0 decides and deletes; then it tells the others (who wait), so that every

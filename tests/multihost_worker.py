@@ -217,6 +217,42 @@ def save_and_check(root: str, one_process_dir: str | None = None, mesh_shape=(2,
         mngr.wait_until_finished()
         out["outage_next_s"] = time.monotonic() - t0
         out["outage_steps"] = mngr.all_steps()
+    out.update(refusals(os.path.join(root, "refusals"), tree["w"]))
+    return out
+
+
+def refusals(root: str, w) -> dict:
+    """A call that one process alone refuses, different steps on two processes, and metrics given
+    on one process only: every process must hear of it at once and stay in step (a refusal on one
+    process left the save counters apart for good: every later save timed out)."""
+    from ckpt_callbacks.flax import CheckpointHook
+    pi = jax.process_index()
+    out, errors = {}, []
+    policies = [cc.KeepBest("loss", "min", 2), cc.KeepLast(2)]
+    t0 = time.monotonic()
+    with cc.CheckpointManager(os.path.join(root, "m"), retention=policies, timeout_s=60) as mngr:
+        mngr.save(1, {"w": w}, metrics={"loss": 0.5} if pi == 0 else None)
+        for step, kw in ((2, {"host_state": {"p": object()} if pi == 1 else None}),
+                         (3 + pi, {})):   # (process 0 saves 3, process 1 saves 4)
+            try:
+                mngr.save(step, {"w": w}, **kw)
+                errors.append(None)
+            except cc.CheckpointError as e:
+                errors.append([type(e).__name__, str(e)])
+        mngr.save(5, {"w": w}, metrics={"loss": 0.25} if pi == 1 else None)
+        mngr.save(6, {"w": w})
+        mngr.wait_until_finished()
+        out["refusal_errors"] = errors
+        out["refusal_s"] = time.monotonic() - t0
+        out["refusal_steps"] = mngr.all_steps()
+        out["refusal_best"] = mngr.best_step()
+        out["refusal_metrics"] = [mngr.metrics(s) for s in mngr.all_steps()]
+    with cc.CheckpointManager(os.path.join(root, "hook"), timeout_s=60) as mngr:
+        hook = CheckpointHook(mngr, every_steps=4, preemption_signals=())
+        out["hook_started"] = [hook(s, {"w": w}, metrics={"loss": 0.1} if s == 3 and pi == 0 else None)
+                               for s in range(1, 9)]
+        hook.close()
+        out["hook_steps"] = mngr.all_steps()
     return out
 
 

@@ -131,6 +131,27 @@ def test_a_listing_outage_on_process_0_fails_that_save_on_every_process_and_the_
         assert r["outage_steps"] == [1, 3] and r["outage_next_s"] < 30, r
 
 
+def test_a_call_one_process_refuses_fails_on_every_process_at_once_and_the_next_save_works(two):
+    _, res = two
+    p0, p1 = (r["refusal_errors"] for r in res)
+    assert p1[0][0] == "ConfigError" and "host_state must be msgpack-able" in p1[0][1]
+    assert p0[0][0] == "CheckpointSaveError" and "process(es) [1] refused the call" in p0[0][1], p0
+    for errors in (p0, p1):   # process 0 saved step 3, process 1 step 4
+        assert errors[1][0] == "CheckpointSaveError" and "different steps ({0: 3, 1: 4})" in errors[1][1]
+    for r in res:
+        assert r["refusal_s"] < 30 and r["refusal_steps"] == [1, 5, 6], r
+
+
+def test_metrics_given_on_one_process_are_every_process_s_metrics(two):
+    """Each process cached the metrics of its own call: best_step() and metrics() differed by process
+    (and from the manifests); the Flax hook saved an eval step on process 0 alone."""
+    _, res = two
+    for r in res:
+        assert r["refusal_metrics"] == [{"loss": 0.5}, {"loss": 0.25}, {}] and r["refusal_best"] == 5, r
+        assert r["hook_started"] == [False, False, True, True, False, False, False, True], r
+        assert r["hook_steps"] == [3, 4, 8], r
+
+
 def test_start_up_failure_on_process_0_is_raised_on_every_process(two):
     _, res = two
     assert res[0]["locked"][0] == "CheckpointLockedError"
