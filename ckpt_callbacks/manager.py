@@ -540,12 +540,11 @@ class CheckpointManager:
         and the new latest is read instead (a few times at most).
         """
         self._check_process(reading=True)
-        alone = self.coord.process_count == 1 or self.read_only
         for attempt in range(3):
             try:
                 return self._restore(step, target, fallback)
-            except CheckpointNotFoundError as e:
-                if step is not None or not alone or not getattr(e, "deleted", False) or attempt == 2:
+            except CheckpointNotFoundError as e:   # (with several processes: raised on all of them alike)
+                if step is not None or not getattr(e, "deleted", False) or attempt == 2:
                     raise
                 log.warning("ckpt_callbacks: %s; restoring the latest step again", e)
 
@@ -560,7 +559,9 @@ class CheckpointManager:
             if not steps:
                 raise CheckpointNotFoundError(f"no committed checkpoint in {self.store.url}")
             candidates = steps[::-1] if fallback else steps[-1:]
-        together = fallback and multi   # every process moves to the same step
+        # every process moves to the same step: a step that one process found damaged, or deleted
+        # while it was read (a save committing meanwhile), is left (or retried) by all of them
+        together = multi and (fallback or step is None)
         for i, s in enumerate(candidates):
             error = failure = None
             try:
@@ -580,9 +581,11 @@ class CheckpointManager:
             except CorruptCheckpointError as e:
                 if not fallback:
                     named = self._named(s, e)   # which step of which run, and the ways out
-                    if named is e:
-                        raise
-                    raise named from e
+                    if not together:
+                        if named is e:
+                            raise
+                        raise named from e
+                    e = named
                 error = e
             except Exception as e:   # not damage (e.g. storage unavailable): no fallback, on any process
                 if not together:
@@ -590,17 +593,22 @@ class CheckpointManager:
                 failure = e
             if together:
                 self._nrestores += 1
-                mine = (b"U" if isinstance(failure, StorageUnavailableError) else b"!" if failure is not None
-                        else b"1" if error is None else b"0")
+                deleted = isinstance(failure, CheckpointNotFoundError) and getattr(failure, "deleted", False)
+                mine = (b"D" if deleted else b"U" if isinstance(failure, StorageUnavailableError)
+                        else b"!" if failure is not None else b"1" if error is None else b"0")
                 oks = self.coord.all_gather(f"restore/{self._nrestores}/ok", mine, self.timeout_s)
-                if failure is not None:
+                if failure is not None and not deleted:
                     raise failure
                 failed = [p for p, ok in enumerate(oks) if ok in (b"U", b"!")]
                 if failed:   # the same class everywhere: a caller that retries does so on every process
                     cls = StorageUnavailableError if b"U" in oks else CheckpointError
                     raise cls(f"restoring step {s} failed on process(es) {failed} (see their errors)")
+                if b"D" in oks:   # `restore` lists the steps again, on every process
+                    raise failure if deleted else restore_mod.deleted_error(self.store, s)
                 if error is None and b"0" in oks:
                     error = CorruptCheckpointError(f"step {s} is damaged on another process")
+                if error is not None and not fallback:
+                    raise error
             if error is None:
                 self.restored_step = s
                 return tree

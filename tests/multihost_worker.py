@@ -247,6 +247,28 @@ def refusals(root: str, w) -> dict:
         out["refusal_steps"] = mngr.all_steps()
         out["refusal_best"] = mngr.best_step()
         out["refusal_metrics"] = [mngr.metrics(s) for s in mngr.all_steps()]
+        # restore(step=None) that finds the step deleted (a save committing meanwhile) on process 1
+        # only, then damage on process 1 only: process 0 returned data while process 1 raised
+        from ckpt_callbacks import restore as restore_mod
+        real, calls = restore_mod.restore, []
+
+        def flaky(store, step, target=None):
+            calls.append(step)
+            if pi == 1 and len(calls) == 1:
+                raise restore_mod.deleted_error(store, step)
+            if pi == 1 and len(calls) == 3:
+                raise cc.CorruptCheckpointError(f"step {step}: simulated damage on process 1")
+            return real(store, step, target)
+        restore_mod.restore = flaky
+        try:
+            out["deleted_restore"] = [mngr.restore()["w"].shape[0], mngr.restored_step, len(calls)]
+            try:
+                mngr.restore()
+                out["damaged_restore"] = None
+            except cc.CheckpointError as e:
+                out["damaged_restore"] = [type(e).__name__, str(e)]
+        finally:
+            restore_mod.restore = real
     with cc.CheckpointManager(os.path.join(root, "hook"), timeout_s=60) as mngr:
         hook = CheckpointHook(mngr, every_steps=4, preemption_signals=())
         out["hook_started"] = [hook(s, {"w": w}, metrics={"loss": 0.1} if s == 3 and pi == 0 else None)

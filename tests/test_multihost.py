@@ -152,6 +152,14 @@ def test_metrics_given_on_one_process_are_every_process_s_metrics(two):
         assert r["hook_steps"] == [3, 4, 8], r
 
 
+def test_a_restore_of_the_latest_step_that_fails_on_one_process_fails_or_retries_on_all(two):
+    _, res = two
+    for r in res:   # the step deleted while process 1 read it: every process lists and reads again
+        assert r["deleted_restore"] == [W.LAYOUT["w"][0][0], 6, 2], r
+    assert res[1]["damaged_restore"][0] == "CorruptCheckpointError" and "simulated damage" in res[1]["damaged_restore"][1]
+    assert res[0]["damaged_restore"][0] == "CorruptCheckpointError" and "damaged on another process" in res[0]["damaged_restore"][1]
+
+
 def test_start_up_failure_on_process_0_is_raised_on_every_process(two):
     _, res = two
     assert res[0]["locked"][0] == "CheckpointLockedError"
