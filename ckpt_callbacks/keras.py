@@ -707,7 +707,7 @@ class AsyncCheckpoint(keras.callbacks.Callback):
             return
         if self._skip_nonfinite(metrics.get("loss"), f"epoch {epoch + 1}"):
             return
-        if partial:   # saved where it stopped, as a mid-epoch save is
+        if partial:   # saved where it stopped, as a mid-epoch save is (its logs' val_* measure these weights)
             self._save(epoch, self._batch, metrics=metrics, replace=again)
         else:
             self._save(epoch + 1, 0, metrics=metrics, replace=again)
