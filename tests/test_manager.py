@@ -16,6 +16,17 @@ from ckpt_callbacks import format as fmt
 from helpers import skip_without_direct_io
 
 
+# a script's first lines: every write of a save takes a second longer (still in flight at exit)
+_SLOW_WRITES = ("import sys, time, threading, numpy as np, ckpt_callbacks as cc, ckpt_callbacks.manager as mm\n"
+                "real = mm.write_and_commit\n"
+                "mm.write_and_commit = lambda *a, **k: (time.sleep(1.0), real(*a, **k))[1]\n")
+
+
+def _python(*args):
+    """Run a Python script in a fresh interpreter; its CompletedProcess (stdout, stderr as text)."""
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=120)
+
+
 def tree(step):
     return {"x": np.full(4, step, np.float32), "step": step}
 
@@ -139,7 +150,7 @@ def test_second_writer_is_refused_naming_the_owner_and_stale_lock_recovered(ckdi
     code = ("import sys, ckpt_callbacks as cc\n"
             "try:\n    cc.CheckpointManager(sys.argv[1])\n"
             "except cc.CheckpointLockedError as e:\n    print('LOCKED', e)\n")
-    r = subprocess.run([sys.executable, "-c", code, ckdir], capture_output=True, text=True, timeout=120)
+    r = _python("-c", code, ckdir)
     assert "LOCKED" in r.stdout and f"pid {os.getpid()}" in r.stdout, r.stdout + r.stderr
     assert cc.CheckpointManager(ckdir, read_only=True).all_steps() == []        # readers are never refused
     m.close()
@@ -575,15 +586,12 @@ def test_a_host_state_that_cannot_be_stored_fails_the_save_naming_its_path(tmp_p
 def test_a_manager_left_open_finishes_its_save_in_flight_at_exit_and_says_so(ckdir):
     """A script that ends without close(): the save in flight commits (the writer thread is a
     daemon and the thread pools it submits to stop at exit: the manager closes before them)."""
-    code = ("import sys, time, numpy as np, ckpt_callbacks as cc, ckpt_callbacks.manager as mm\n"
-            "real = mm.write_and_commit\n"
-            "def slow(*a, **k):\n    time.sleep(1.0)\n    return real(*a, **k)\n"
-            "mm.write_and_commit = slow   # still in flight when the script ends\n"
+    code = (_SLOW_WRITES +
             "m = cc.CheckpointManager(sys.argv[1], retention=cc.KeepLast(1))\n"
             "m.save(1, {'w': np.ones(3)}); m.wait_until_finished()\n"
             "m.save(2, {'w': np.full(300_000, 2.0)})\n"
             "print('saved', flush=True)\n")
-    r = subprocess.run([sys.executable, "-c", code, ckdir], capture_output=True, text=True, timeout=120)
+    r = _python("-c", code, ckdir)
     assert r.returncode == 0 and "saved" in r.stdout, r.stdout + r.stderr
     assert "was not closed; finishing its save in flight at exit" in r.stderr, r.stderr
     assert sorted(os.listdir(ckdir)) == ["step_0000000002"]   # committed, retention applied, lock released
@@ -595,9 +603,7 @@ def test_at_exit_a_manager_a_live_thread_saves_through_is_left_to_that_thread(ck
     """The main thread's save in flight at exit, a non-daemon worker already inside `save`: the
     exit hook judged the manager by the main thread's save and closed it under the worker, whose
     next save failed ("closed")."""
-    code = ("import sys, time, threading, numpy as np, ckpt_callbacks as cc, ckpt_callbacks.manager as mm\n"
-            "real = mm.write_and_commit\n"
-            "mm.write_and_commit = lambda *a, **k: (time.sleep(1.0), real(*a, **k))[1]\n"
+    code = (_SLOW_WRITES +
             "m = cc.CheckpointManager(sys.argv[1])\n"
             "m.save(1, {'w': np.full(1000, 1.0)})   # in flight when the main thread ends\n"
             "def worker():\n"
@@ -608,7 +614,7 @@ def test_at_exit_a_manager_a_live_thread_saves_through_is_left_to_that_thread(ck
             "    print('worker closed', flush=True)\n"
             "threading.Thread(target=worker).start()\n"
             "time.sleep(0.4)\n")
-    r = subprocess.run([sys.executable, "-c", code, ckdir], capture_output=True, text=True, timeout=120)
+    r = _python("-c", code, ckdir)
     assert r.returncode == 0 and "worker closed" in r.stdout, r.stdout + r.stderr
     assert "was not closed" not in r.stderr, r.stderr
     assert cc.CheckpointManager(ckdir, read_only=True).all_steps() == [1, 2, 3, 4]
@@ -634,7 +640,7 @@ def test_a_forked_child_leaves_its_parents_managers_alone_at_exit(ckdir):
     script = os.path.join(os.path.dirname(ckdir), "fork_exit.py")
     with open(script, "w") as f:
         f.write(code)
-    r = subprocess.run([sys.executable, script, ckdir], capture_output=True, text=True, timeout=120)
+    r = _python(script, ckdir)
     assert r.returncode == 0 and "child 0 False" in r.stdout, r.stdout + r.stderr
     assert "was not closed" not in r.stderr, r.stderr
     with cc.CheckpointManager(ckdir) as m:
