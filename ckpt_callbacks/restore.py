@@ -521,8 +521,14 @@ def _weak_as(value, t):
     placement."""
     if not getattr(t, "weak_type", False) or not isinstance(value, jax.Array) or value.weak_type:
         return value
-    from jax._src.lax.lax import _convert_element_type   # (no public API sets weak_type)
-    return jax.jit(_convert_element_type, static_argnums=(1, 2))(value, value.dtype, True)
+    return _weakly_typed()(value, value.dtype, True)
+
+
+@functools.cache
+def _weakly_typed():
+    """jax's conversion that sets weak_type, jitted once per process (no public API sets it)."""
+    from jax._src.lax.lax import _convert_element_type
+    return jax.jit(_convert_element_type, static_argnums=(1, 2))
 
 
 def _placement_free(t) -> bool:
