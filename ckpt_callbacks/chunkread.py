@@ -71,7 +71,8 @@ def read_boxes(root: str, rec: dict, boxes: list, outs: list, where: str, mapped
     in memory: `LocalStore.in_memory`), from a mapping of the file, or band by band (`BAND_BYTES`
     of its leading rows at a time) into a small buffer from which every box it meets takes its
     part while the band is still in cache. Raises CorruptCheckpointError naming `where` for a
-    missing, short or damaged chunk."""
+    missing, short or damaged chunk, and for one whose CRC is not the one ``rec["cc"]`` records
+    (an intact chunk file of another save: see `check_recorded`)."""
     shape, chunks = rec["sh"], rec["ch"]
     users: dict = {}
     for k, box in enumerate(boxes):
@@ -82,7 +83,9 @@ def read_boxes(root: str, rec: dict, boxes: list, outs: list, where: str, mapped
     dtype = outs[0].dtype
     chunk_bytes = math.prod(chunks) * dtype.itemsize
     band = None
+    recorded = rec.get("cc")
     for idx in sorted(users):
+        want = recorded[layout.chunk_number(idx, shape, chunks)] if recorded else None
         cbox = tuple((i * c, min((i + 1) * c, n)) for i, c, n in zip(idx, chunks, shape))
         parts = []   # (view of an out, slices of the chunk) for every box the chunk meets
         for k in users[idx]:
@@ -92,18 +95,18 @@ def read_boxes(root: str, rec: dict, boxes: list, outs: list, where: str, mapped
         path = os.path.join(root, fmt.chunk_key(idx))
         view = parts[0][0]
         if len(parts) == 1 and view.nbytes == chunk_bytes and view.flags.c_contiguous:
-            _read_whole(path, view.reshape(-1).view(np.uint8), where)   # straight into the destination
+            _read_whole(path, view.reshape(-1).view(np.uint8), where, want)   # straight into the destination
             continue
         # an edge chunk, one shared by boxes or not contiguous in its box
         if not chunks:   # 0-d, as one row
             parts = [(v.reshape(1), (slice(0, 1),)) for v, _ in parts]
         nrows = chunks[0] if chunks else 1
-        if mapped and _read_mapped(path, (nrows,) + tuple(chunks[1:]), dtype, parts, where):
+        if mapped and _read_mapped(path, (nrows,) + tuple(chunks[1:]), dtype, parts, where, want):
             continue
         if band is None:
             rows = min(nrows, max(1, BAND_BYTES * nrows // chunk_bytes))   # never more than a chunk
             band = aligned_empty((rows,) + tuple(chunks[1:]), dtype)
-        _read_banded(path, band, parts, nrows, where)
+        _read_banded(path, band, parts, nrows, where, want)
 
 
 BAND_BYTES = 1 << 20   # banded reads: small enough to stay in cache between read, CRC and copies
@@ -153,12 +156,27 @@ def _read_exact(fd: int, bufs: list, at: int, path: str, where: str) -> None:
         done += got
 
 
-def _check(crc: int, tail: bytearray, path: str, where: str) -> None:
+def _check(crc: int, tail: bytearray, path: str, where: str, want: int | None) -> None:
     if crc != int.from_bytes(tail, "little"):
         raise CorruptCheckpointError(f"{where}: checksum mismatch in chunk {path} (the data is damaged)", where)
+    check_recorded(crc, want, path, where)
 
 
-def _read_whole(path: str, dest: np.ndarray, where: str) -> None:
+def check_recorded(crc: int, want: int | None, chunk: str, where: str) -> None:
+    """Raise CorruptCheckpointError unless chunk `chunk`'s stored CRC `crc` is the one the
+    manifest records for it (`want`; None: a manifest from before chunks' CRCs were recorded).
+
+    A chunk carries its own CRC, which tells damaged bytes from intact ones, but not this save's
+    chunk from an intact chunk of another save (a file copied over it, a step directory merged
+    into another, a file a save should have written over and did not): the manifest's record
+    does. Used by every reader: local reads here, object stores' in `restore`."""
+    if want is not None and crc != want:
+        raise CorruptCheckpointError(
+            f"{where}: chunk {chunk} is intact but is not the chunk this step saved (CRC-32C {crc:08x}, "
+            f"the manifest records {want:08x}): a chunk of another save, copied or left there", where)
+
+
+def _read_whole(path: str, dest: np.ndarray, where: str, want: int | None = None) -> None:
     """One chunk into `dest` (its bytes, flat), then its CRC checked on `dest`."""
     fd = _open(path, dest.nbytes, where)
     tail = bytearray(4)
@@ -166,10 +184,10 @@ def _read_whole(path: str, dest: np.ndarray, where: str) -> None:
         _read_exact(fd, [dest, tail], 0, path, where)
     finally:
         os.close(fd)
-    _check(fmt.crc32c(dest), tail, path, where)
+    _check(fmt.crc32c(dest), tail, path, where, want)
 
 
-def _read_mapped(path: str, shape: tuple, dtype, parts: list, where: str) -> bool:
+def _read_mapped(path: str, shape: tuple, dtype, parts: list, where: str, want: int | None = None) -> bool:
     """One chunk of `shape` from a read-only mapping of its file: its CRC checked on the mapping,
     then every (view, chunk slices) of `parts` copied out of it (on tmpfs the mapping is the
     stored bytes: one copy per byte, as `_read_whole`, against two through a band buffer: 1.3x
@@ -197,7 +215,7 @@ def _read_mapped(path: str, shape: tuple, dtype, parts: list, where: str) -> boo
             pass
     with _mapped_lock:
         _mapped[0] += nbytes + 4
-    _check(crc, tail, path, where)
+    _check(crc, tail, path, where, want)
     return True
 
 
@@ -221,7 +239,7 @@ def _copy_out(m: mmap.mmap, nbytes: int, shape: tuple, dtype, parts: list) -> tu
     return crc, bytearray(m[nbytes:nbytes + 4])
 
 
-def _read_banded(path: str, band: np.ndarray, parts: list, nrows: int, where: str) -> None:
+def _read_banded(path: str, band: np.ndarray, parts: list, nrows: int, where: str, want: int | None = None) -> None:
     """One chunk of `nrows` leading rows, ``len(band)`` rows at a time into `band`: each band is
     added to the CRC and copied to every (view, chunk slices) of `parts` before the next is read.
     The CRC is checked at the end, so a damaged chunk may have been partly copied: the caller
@@ -243,4 +261,4 @@ def _read_banded(path: str, band: np.ndarray, parts: list, nrows: int, where: st
         _read_exact(fd, [tail], nrows * row, path, where)
     finally:
         os.close(fd)
-    _check(crc, tail, path, where)
+    _check(crc, tail, path, where, want)

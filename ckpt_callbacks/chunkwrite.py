@@ -20,6 +20,8 @@ Tensorstore would first copy every chunk into a buffer of its own, and on small 
 memory is the dearest part of a save. Tensorstore still creates every
 array's zarr.json and writes what this module declines (`pieces` returns None): chunks padded at
 the array's edge, data that is not C-contiguous or not little-endian, bool; and object stores.
+Every chunk's CRC goes into the manifest (`write_chunk` returns it; `chunk_crcs` computes it for
+what tensorstore writes), so a restore can tell a chunk of this save from another save's.
 
 Called on the writer's small pool (`writing._consume`), on every process, for the boxes that
 process writes; a failure (disk full, I/O error) propagates and fails the save.
@@ -38,7 +40,7 @@ import numpy as np
 from . import format as fmt
 from . import layout
 
-__all__ = ["pieces", "file_bytes", "write_chunk"]
+__all__ = ["pieces", "file_bytes", "write_chunk", "chunk_crcs"]
 
 DIRECT_ALIGN = 4096   # O_DIRECT: buffer address, file offset and length in whole blocks of this size
 
@@ -67,7 +69,7 @@ def file_bytes(view: np.ndarray) -> int:
     return view.nbytes + 4
 
 
-def write_chunk(path: str, view: np.ndarray, sync: bool = True, claim=None, direct: bool = False) -> bool:
+def write_chunk(path: str, view: np.ndarray, sync: bool = True, claim=None, direct: bool = False) -> tuple[int, bool]:
     """Create the chunk file at `path` (and its directory) holding `view`'s bytes and their
     CRC-32C; fsync it when `sync` (the writer fsyncs on other threads, so that writing goes on
     meanwhile; directories are fsynced with the whole staging tree at commit). `claim(nbytes,
@@ -78,11 +80,12 @@ def write_chunk(path: str, view: np.ndarray, sync: bool = True, claim=None, dire
     written. `direct` (``LocalStore.direct_io``): the whole 4 KiB blocks of a page-aligned `view`
     go to the device with ``O_DIRECT``, without the page cache (`_write_direct_blocks`); the rest,
     and the CRC, through the page cache.
-    Returns False when `direct` was asked for and the file system refused it (the caller may
-    stop asking), else True."""
+    Returns the chunk's CRC-32C (the manifest records it: `chunk_crcs`) and False when `direct`
+    was asked for and the file system refused it (the caller may stop asking), else True."""
     flat = view.reshape(-1).view(np.uint8)
     raw = memoryview(flat)
-    crc = fmt.crc32c(raw).to_bytes(4, "little")
+    value = fmt.crc32c(raw)
+    crc = value.to_bytes(4, "little")
     os.makedirs(os.path.dirname(path), exist_ok=True)
     fd = _reuse(path, file_bytes(view), claim) if claim is not None else None
     if fd is None:
@@ -105,7 +108,31 @@ def write_chunk(path: str, view: np.ndarray, sync: bool = True, claim=None, dire
             os.fsync(fd)   # an error here aborts the save: never retried
     finally:
         os.close(fd)
-    return not refused
+    return value, not refused
+
+
+def chunk_crcs(rec: dict, box, data: np.ndarray) -> list[int]:
+    """The CRC-32C of every chunk of `box` (``layout.chunks_of`` order) as the chunk is stored:
+    `data` (the box, as `writing` stores it: the storage dtype, bools as bytes 0/1) in
+    little-endian C order, a chunk padded at the array's edge with zeros (the arrays' fill
+    value) to its full shape. For what tensorstore writes (the writer records them in the
+    manifest, as `write_chunk`'s); one pass over `data`, copying only what is not already
+    stored that way."""
+    shape, chunks = rec["sh"], rec["ch"]
+    dt = data.dtype
+    out = []
+    for idx in layout.chunks_of(box, chunks):
+        lo = [i * c for i, c in zip(idx, chunks)]
+        view = data[tuple(slice(a - b0, min(a + c, n) - b0) for a, c, n, (b0, _) in zip(lo, chunks, shape, box))
+                    + (Ellipsis,)]   # `...`: a 0-d box stays an array
+        if dt.byteorder == ">" or (dt.byteorder == "=" and sys.byteorder != "little"):
+            view = view.astype(dt.newbyteorder("<"))
+        if view.shape != tuple(chunks):   # padded at the array's edge
+            full = np.zeros(chunks, view.dtype)
+            full[tuple(slice(0, k) for k in view.shape)] = view
+            view = full
+        out.append(fmt.crc32c(memoryview(np.ascontiguousarray(view).reshape(-1).view(np.uint8))))
+    return out
 
 
 def _write_direct_blocks(fd: int, raw: memoryview, address: int) -> tuple[int, bool]:

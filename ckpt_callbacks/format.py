@@ -288,6 +288,9 @@ def _validate(m: dict) -> None:
             ch = leaf.get("ch")
             need(isinstance(ch, list) and len(ch) == len(leaf["sh"])
                  and all(isinstance(c, int) and c >= 1 for c in ch), f"leaf {i} chunks")
+            cc = leaf.get("cc")   # absent from manifests written before chunks' checksums were recorded
+            need(cc is None or (isinstance(cc, list) and len(cc) == math.prod(-(-n // c) for n, c in zip(leaf["sh"], ch))
+                                and all(isinstance(c, int) and 0 <= c < 1 << 32 for c in cc)), f"leaf {i} chunk checksums")
         if kind == "packed":
             need(isinstance(leaf.get("b"), str) and BLOB_RE.match(leaf["b"]), f"leaf {i} blob name")
             need(isinstance(leaf.get("bi"), int) and isinstance(leaf.get("crc"), int), f"leaf {i} blob entry")

@@ -9,7 +9,8 @@ Who calls what: the snapshot (every process, identically) asks `unique_boxes` fo
 shards of each array, `assign` for which process writes each (so that exactly one copy of every
 replicated shard is written, and replicated bytes are spread over processes), and `chunk_shape`
 for a zarr chunk grid aligned to the shards and capped in bytes. Restore uses `bounding` (and `box_of`);
-the writer's early fsyncs and the restore's direct chunk reads use `chunks_of`.
+the writer's early fsyncs and the restore's direct chunk reads use `chunks_of`; the manifest's
+per-chunk checksums are listed by `chunk_number`.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import math
 from typing import Sequence
 
 __all__ = ["Box", "box_of", "unique_boxes", "chunk_shape", "assign", "intersect", "bounding", "box_shape",
-           "chunks_of"]
+           "chunks_of", "chunk_count", "chunk_number"]
 
 Box = tuple  # tuple of (start, stop) per dimension
 
@@ -106,3 +107,16 @@ def chunks_of(box: Box, chunks: Sequence[int]) -> list[tuple]:
     """Grid indices of the chunks that `box` touches, in C order (``[()]`` for a 0-d array)."""
     ranges = [range(lo // c, -(-hi // c)) if hi > lo else range(0) for (lo, hi), c in zip(box, chunks)]
     return list(itertools.product(*ranges))
+
+
+def chunk_count(shape: Sequence[int], chunks: Sequence[int]) -> int:
+    """How many chunks the regular grid `chunks` has over `shape` (1 for a 0-d array)."""
+    return math.prod(-(-n // c) for n, c in zip(shape, chunks))
+
+
+def chunk_number(idx: Sequence[int], shape: Sequence[int], chunks: Sequence[int]) -> int:
+    """The position of chunk `idx` (grid indices) in the C-order list of the grid's chunks."""
+    k = 0
+    for i, n, c in zip(idx, shape, chunks):
+        k = k * -(-n // c) + i
+    return k

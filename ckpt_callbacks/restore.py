@@ -16,7 +16,8 @@ itself, each once (straight into the buffer when a chunk lies whole inside one s
 between the shards that share it); otherwise tensorstore reads them, through a small per-leaf
 chunk cache when shards cut through chunks. Packed leaves come from their blob. Host buffers
 go to their devices in one batched `jax.device_put`. crc32c checksums are verified on
-every chunk and packed leaf read.
+every chunk and packed leaf read, and each chunk's against the one the manifest records for it
+(so a chunk file of another save is refused, not restored).
 """
 
 from __future__ import annotations
@@ -229,7 +230,30 @@ class leaf_reader:
                     detail = self.store.redact(str(e))[:300]
                     raise read_failure(e, where, rec["z"], detail,
                                        f"{where}: reading {rec['z']} failed (damaged or missing chunk): {detail}") from None
+            self.check_recorded(arr, rec, [idx for b in boxes for idx in layout.chunks_of(b, rec["ch"])], where)
         return [out.view(fmt.logical_dtype(rec["dt"])) for out in outs]
+
+    def check_recorded(self, arr, rec: dict, idxs: list, where: str) -> None:
+        """Compare the stored CRC of each chunk `idxs` of the opened array `arr` (its last 4
+        bytes, one ranged read each, all in flight at once) with the one the manifest records
+        (`chunkread.check_recorded`); tensorstore checked each chunk's bytes against their CRC
+        as it read them. For what tensorstore reads (object stores); `chunkread` checks its own."""
+        recorded = rec.get("cc")
+        if not recorded:
+            return
+        at = math.prod(rec["ch"]) * np.dtype(fmt.storage_dtype(rec["dt"])).itemsize
+        reads = [(idx, arr.kvstore.read(fmt.chunk_key(idx), byte_range=slice(at, at + 4))) for idx in dict.fromkeys(idxs)]
+        for idx, fut in reads:
+            chunk = f"{rec['z']}/{fmt.chunk_key(idx)}"
+            try:
+                got = fut.result()
+            except Exception as e:
+                detail = self.store.redact(str(e))[:300]
+                raise read_failure(e, where, chunk, detail, f"{where}: reading the CRC of {chunk} failed: {detail}") from None
+            if got.state != "value" or len(got.value) != 4:
+                raise CorruptCheckpointError(f"{where}: chunk {chunk} is missing or truncated", where)
+            chunkread.check_recorded(int.from_bytes(got.value, "little"),
+                                     recorded[layout.chunk_number(idx, rec["sh"], rec["ch"])], chunk, where)
 
 
 def _chunk_keys(keys: list) -> list:

@@ -10,7 +10,8 @@ Who calls what: `ckpt-callbacks verify` (any machine, one process) calls `verify
 with a `Progress`. It reads through `restore.leaf_reader` (the same checks as a restore) chunk
 by chunk, so memory stays at a few chunks however large the array: in a local directory by the
 restore's own chunk reads (file size, CRC-32C), elsewhere through tensorstore with a bounded window
-of reads in flight, checked by its crc32c codec; packed leaves and the manifest
+of reads in flight, checked by its crc32c codec; each chunk's CRC also against the one the
+manifest records (a chunk of another save is a problem too); packed leaves and the manifest
 by their crc32c in the manifest; per-process host-state blobs must parse.
 """
 
@@ -118,6 +119,7 @@ def verify_step(store, step: int, progress=None, window: int = 16) -> list[tuple
                     _drain(pending.pop(0), rec, where, itemsize, progress, store.redact)
             while pending:
                 _drain(pending.pop(0), rec, where, itemsize, progress, store.redact)
+            reader.check_recorded(arr, rec, [idx for idx, _ in _chunks(rec["sh"], rec["ch"])], where)
         except StorageUnavailableError:
             raise
         except CheckpointError as e:

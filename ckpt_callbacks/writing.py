@@ -19,7 +19,7 @@ Who calls what, in order, on which process (every process runs this function for
      blobs of packed leaves,
      releasing the byte budget as each lands; then the per-process host-state blob.
   3. ``store.sync`` this process's files (local chunk files are fsynced as each box lands, the
-     rest at the end); gather every process's status and packed-leaf checksums.
+     rest at the end); gather every process's status, packed-leaf and chunk checksums.
   4. process 0 writes the manifest and ``store.publish``es (rename / marker) only if every process
      succeeded, else removes the staging data; the outcome is broadcast, and every process raises
      `CheckpointSaveError` (with each process's failure) when the save failed.
@@ -88,7 +88,12 @@ def zarr_spec(store: Store, rel: str, rec: dict) -> dict:
 
 
 def _to_storage(a: np.ndarray, dt: str) -> np.ndarray:
+    """`a` as its leaf is stored: bit-cast to the storage dtype, bools as bytes 0/1 only."""
     sdt = fmt.storage_dtype(dt)
+    if a.dtype == np.bool_ and a.size and a.view(np.uint8).max() > 1:
+        # numpy takes any nonzero byte for True (a bool view of other bytes); tensorstore stores
+        # the byte as it is and refuses to read it back ("Invalid bool value"): store True as 1
+        return np.not_equal(a, False)
     return a if sdt == dt else a.view(sdt)
 
 
@@ -116,6 +121,7 @@ def write_and_commit(store: Store, step: int, snap: Snapshot, items, *, coord: C
     error = None
     written = files = 0
     packed_info: dict = {}
+    chunk_crcs: dict = {}
     mine: list = []
     try:
         if store.local:   # known up front: `WriteThrough` may have written into it already
@@ -136,7 +142,8 @@ def write_and_commit(store: Store, step: int, snap: Snapshot, items, *, coord: C
             staging = store.begin(step, token, lead=pi == 0)
             arrays = _Arrays(store, staging, snap)
         _open_arrays(arrays, coord, timeout_s, f"meta/{step}/{token}")
-        written, files, packed_info, mine, synced = _consume(store, staging, snap, items, arrays, budget, workers)
+        written, files, packed_info, chunk_crcs, mine, synced = _consume(store, staging, snap, items, arrays,
+                                                                         budget, workers)
         # the zarr.json files this process created (kept ones are durable already), also of arrays
         # whose chunks are all another process's
         mine += [f"{snap.records[i]['z']}/zarr.json" for i in arrays.created if i not in arrays.kept]
@@ -153,7 +160,7 @@ def write_and_commit(store: Store, step: int, snap: Snapshot, items, *, coord: C
         _drain(items, budget)
     t_written = time.perf_counter()
     status = msgpack.packb({"ok": error is None, "err": None if error is None else f"{type(error).__name__}: {error}",
-                            "packed": packed_info, "host": pi if host_state is not None else None,
+                            "packed": packed_info, "cc": chunk_crcs, "host": pi if host_state is not None else None,
                             "hc": None if host_state is None else fmt.crc32c(host_state)},
                            use_bin_type=True)
     try:
@@ -374,14 +381,18 @@ def _chunk_files(staging: str, rec: dict, box, data: np.ndarray) -> tuple[list, 
     return [f"{staging}/{rec['z']}/{k}" for k, _ in todo], [v for _, v in todo]
 
 
-def _write_chunk_files(store: Store, rels: list, views: list, claimed: list | None = None) -> list:
+def _write_chunk_files(store: Store, rels: list, views: list, claimed: list | None = None) -> tuple[list, list]:
     """Write chunk files (fsynced later, by the writer): over the kept files `claimed` (one per
-    file, already the caller's), else over any kept file of the right size that is left."""
+    file, already the caller's), else over any kept file of the right size that is left.
+    Returns `rels` and the files' CRCs."""
+    crcs = []
     for j, (rel, view) in enumerate(zip(rels, views)):
         claim = store.claim if claimed is None else (lambda _n, _p, old=claimed[j]: old)
-        if not chunkwrite.write_chunk(store.path(rel), view, sync=False, claim=claim, direct=store.direct_io):
+        crc, direct = chunkwrite.write_chunk(store.path(rel), view, sync=False, claim=claim, direct=store.direct_io)
+        crcs.append(crc)
+        if not direct:
             store.direct_io = False   # this file system refused O_DIRECT: not asked again
-    return rels
+    return rels, crcs
 
 
 class WriteThrough:
@@ -427,6 +438,7 @@ def _consume(store, staging, snap, items, arrays, budget, workers):
     written = files = 0
     futures = []
     packed_info: dict = {}
+    crcs: list = []   # (leaf, box, CRCs of its chunks or the future of `_write_chunk_files`)
     blob: list = []
     blob_leaves: list = []
     blob_bytes = 0
@@ -468,7 +480,8 @@ def _consume(store, staging, snap, items, arrays, budget, workers):
                 continue
             if item[0] == "written":   # by `WriteThrough`, during the snapshot
                 _, w, done = item
-                rels = done.result()   # a failed write (disk full) fails the save here
+                rels, _ = done.result()   # a failed write (disk full) fails the save here
+                crcs.append((w.leaf, w.box, done))
                 early.submit(rels)
                 written += w.nbytes
                 mine.update(r[len(staging) + 1:] for r in rels)
@@ -476,6 +489,7 @@ def _consume(store, staging, snap, items, arrays, budget, workers):
                 continue
             if item[0] == "packed":
                 _, leaf, arr = item
+                arr = _to_storage(arr, snap.records[leaf]["dt"])
                 # a byte view, not a copy: msgpack copies it once, into the blob
                 raw = memoryview(np.ascontiguousarray(arr).reshape(-1).view(np.uint8))
                 blob.append(raw)
@@ -491,6 +505,7 @@ def _consume(store, staging, snap, items, arrays, budget, workers):
             if todo is not None:
                 rels, views = todo
                 fut = chunk_pool.submit(_write_chunk_files, store, rels, views)
+                crcs.append((w.leaf, w.box, fut))
             else:
                 rels = [f"{staging}/{rec['z']}/{fmt.chunk_key(idx)}"
                         for idx in layout.chunks_of(w.box, rec["ch"])] if early else []
@@ -498,6 +513,9 @@ def _consume(store, staging, snap, items, arrays, budget, workers):
                 # buffer): tensorstore may then keep it instead of copying it again
                 fut = arrays[w.leaf][tuple(slice(a, b) for a, b in w.box)].write(
                     data, can_reference_source_data_indefinitely=not snap.pooled)
+                # the chunks as tensorstore stores them (here, while it writes: `data` may be a
+                # pooled buffer that is released once the write lands)
+                crcs.append((w.leaf, w.box, chunkwrite.chunk_crcs(rec, w.box, data)))
             if early:
                 fut.add_done_callback(early.after(rels))
             if budget:
@@ -525,7 +543,14 @@ def _consume(store, staging, snap, items, arrays, budget, workers):
                 pass
         raise
     synced = early.close() if early else set()
-    return written, files, packed_info, sorted(mine), synced
+    chunk_crcs: dict = {}   # {leaf: {chunk number: CRC}} of the chunks this process wrote
+    for leaf, box, got in crcs:
+        rec = snap.records[leaf]
+        got = got if isinstance(got, list) else got.result()[1]
+        mine_ = chunk_crcs.setdefault(leaf, {})
+        for idx, crc in zip(layout.chunks_of(box, rec["ch"]), got):
+            mine_[layout.chunk_number(idx, rec["sh"], rec["ch"])] = crc
+    return written, files, packed_info, chunk_crcs, sorted(mine), synced
 
 
 def _array_files(records, padded: bool = True) -> set:
@@ -554,6 +579,11 @@ def _manifest(step, snap: Snapshot, statuses, metrics, extra) -> dict:
         if rec["k"] == "packed":
             rel, j, crc = statuses[rec["w"]]["packed"][i]
             rec.update(b=rel, bi=j, crc=crc)
+        elif rec["k"] == "array":
+            got = {k: c for s in statuses for k, c in (s.get("cc") or {}).get(i, {}).items()}
+            n = layout.chunk_count(rec["sh"], rec["ch"])
+            if len(got) == n:   # every chunk is written by one process
+                rec["cc"] = [got[k] for k in range(n)]
         leaves.append(rec)
     host = {p: f"host/p{p}.msgpack" for p, s in enumerate(statuses) if s["host"] is not None}
     host_crc = {p: s["hc"] for p, s in enumerate(statuses) if s["host"] is not None}

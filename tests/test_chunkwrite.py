@@ -17,6 +17,7 @@ from ckpt_callbacks import chunkwrite, layout, storage
 from ckpt_callbacks import format as fmt
 from ckpt_callbacks.restore import read_manifest
 from ckpt_callbacks.storage import open_store
+from ckpt_callbacks.verify import verify_step
 from ckpt_callbacks.writing import zarr_spec
 from helpers import assert_tree_equal, random_array, skip_without_direct_io
 
@@ -42,8 +43,8 @@ def test_chunk_files_are_byte_identical_to_tensorstores(tmp_path, shape, chunks,
     theirs[tuple(slice(a, b) for a, b in box)].write(part).result()
     todo = chunkwrite.pieces(rec, box, part)
     assert [k for k, _ in todo] == [fmt.chunk_key(idx) for idx in layout.chunks_of(box, chunks)]
-    for key, view in todo:
-        chunkwrite.write_chunk(store.path(f"ours/{key}"), view)
+    for (key, view), crc in zip(todo, chunkwrite.chunk_crcs(rec, box, part)):
+        assert chunkwrite.write_chunk(store.path(f"ours/{key}"), view) == (crc, True)
         assert open(store.path(f"ours/{key}"), "rb").read() == open(store.path(f"theirs/{key}"), "rb").read(), key
     # tensorstore reads them back, checking each crc32c
     got = ours[tuple(slice(a, b) for a, b in box)].read().result()
@@ -60,6 +61,41 @@ def test_chunk_files_are_byte_identical_to_tensorstores(tmp_path, shape, chunks,
 ])
 def test_what_cannot_be_written_byte_for_byte_is_left_to_tensorstore(why, rec, box, data):
     assert chunkwrite.pieces(rec, box, data) is None, why
+
+
+@pytest.mark.parametrize("shape,chunks,box,data", [
+    ((10, 6), (4, 6), ((8, 10), (0, 6)), np.arange(12, dtype=np.float32).reshape(2, 6)),   # padded edge
+    ((10, 6), (4, 4), ((0, 10), (0, 6)), np.arange(60, dtype=np.int16).reshape(10, 6)),    # padded both ways
+    ((9,), (9,), ((0, 9),), np.array([0, 1, 1, 1, 0, 1, 1, 0, 1], bool)),
+    ((8,), (4,), ((0, 8),), np.arange(8, dtype=">f4")),                                     # big-endian
+    ((6, 4), (3, 4), ((0, 6), (0, 4)), np.arange(48, dtype=np.float32).reshape(6, 8)[:, ::2]),   # not contiguous
+    ((), (), (), np.array(2.5)),                                                            # 0-d
+    ((0, 4), (1, 4), ((0, 0), (0, 4)), np.zeros((0, 4), np.float32)),                      # no chunks
+])
+def test_chunk_crcs_are_those_of_the_chunks_tensorstore_stores(tmp_path, shape, chunks, box, data):
+    """What tensorstore writes (object stores, and what `pieces` declines) is recorded in the
+    manifest by `chunk_crcs`: each must be the CRC that ends the stored chunk."""
+    store = open_store(str(tmp_path))
+    rec = {"sh": list(shape), "ch": list(chunks), "dt": data.dtype.newbyteorder("=").name}
+    arr = ts.open(zarr_spec(store, "a", rec), create=True).result()
+    arr[tuple(slice(a, b) for a, b in box)].write(data).result()
+    idxs = layout.chunks_of(box, chunks)
+    tails = [open(store.path(f"a/{fmt.chunk_key(idx)}"), "rb").read()[-4:] for idx in idxs]
+    assert chunkwrite.chunk_crcs(rec, box, data) == [int.from_bytes(t, "little") for t in tails]
+    assert tails or 0 in shape
+
+
+@pytest.mark.parametrize("size", [9, 400_000])   # packed in a blob; a zarr array written by tensorstore
+def test_bools_held_in_bytes_other_than_0_and_1_are_saved_as_true(ckdir, size):
+    """numpy reads any nonzero byte as True (a bool view of other bytes); tensorstore stored such a
+    byte as it was and then refused to read the chunk back: the step was lost."""
+    raw = np.random.default_rng(0).integers(0, 256, size, dtype=np.uint8)
+    flags = raw.view(bool)
+    with cc.CheckpointManager(ckdir, async_save=False) as m:
+        m.save(1, {"f": flags})
+        got = m.restore()["f"]
+    assert verify_step(open_store(ckdir), 1) == []
+    assert got.dtype == bool and np.array_equal(got, raw != 0) and got.view(np.uint8).max() == 1
 
 
 def test_short_writes_are_continued(tmp_path, monkeypatch):
@@ -79,7 +115,7 @@ def test_a_save_writes_native_arrays_directly_and_the_rest_through_tensorstore(c
             "np": random_array((1000, 1000), "int16", 6)}
     written = []
     real = chunkwrite.write_chunk
-    monkeypatch.setattr(chunkwrite, "write_chunk", lambda path, view, **kw: (written.append(path), real(path, view, **kw)))
+    monkeypatch.setattr(chunkwrite, "write_chunk", lambda path, view, **kw: (written.append(path), real(path, view, **kw))[1])
     with cc.CheckpointManager(ckdir) as m:
         m.save(1, tree)
         m.wait_until_finished()
@@ -183,7 +219,7 @@ def test_page_aligned_chunks_go_to_the_device_without_the_page_cache(direct_dir,
     x = page_aligned(random_array(shape, dtype, 7))
     seen = spy_direct(monkeypatch)
     path = str(direct_dir / "c" / "0")
-    assert chunkwrite.write_chunk(path, x, direct=True) is True
+    assert chunkwrite.write_chunk(path, x, direct=True) == (fmt.crc32c(x), True)
     n = x.nbytes
     blocks = n - n % chunkwrite.DIRECT_ALIGN
     assert seen == ([("pwrite", 0, blocks, True)] if blocks else []) + [("pwritev", blocks, n + 4 - blocks, False)]
@@ -197,7 +233,7 @@ def test_unaligned_or_undirected_chunks_go_through_the_page_cache(direct_dir, mo
     off64 = np.frombuffer(x.data, np.uint8)[64:64 + 4096 * 100]    # 64 bytes into the mapping
     seen = spy_direct(monkeypatch)
     for k, (view, direct) in enumerate([(off64, True), (x[1:], True), (x, False)]):   # x[1:]: 4160 bytes in
-        assert chunkwrite.write_chunk(str(direct_dir / f"c{k}"), view, direct=direct) is True
+        assert chunkwrite.write_chunk(str(direct_dir / f"c{k}"), view, direct=direct)[1] is True
         assert open(direct_dir / f"c{k}", "rb").read() == expected_file(view)
     assert [w[0] for w in seen] == ["pwritev"] * 3 and not any(w[3] for w in seen)
 
@@ -229,7 +265,7 @@ def test_a_refused_or_short_direct_write_falls_back_to_the_page_cache(direct_dir
         monkeypatch.setattr(os, "pwrite", pwrite)
     seen = spy_direct(monkeypatch) if refusal == "short" else []
     path = str(direct_dir / "c" / "0")
-    assert chunkwrite.write_chunk(path, x, direct=True) is (refusal == "short")
+    assert chunkwrite.write_chunk(path, x, direct=True)[1] is (refusal == "short")
     assert open(path, "rb").read() == expected_file(x)
     if refusal == "short":   # the page cache takes over exactly where the short write stopped
         assert seen == [("pwrite", 0, x.nbytes, True), ("pwritev", short, x.nbytes + 4 - short, False)]

@@ -56,7 +56,7 @@ def test_manifest_checksum_and_magic():
 
 @pytest.mark.parametrize("bad", [
     {"z": "../../etc"}, {"z": "/abs/path"}, {"dt": "object"}, {"sh": [2**41, 2**41]}, {"sh": [-1]},
-    {"k": "pickle"}, {"p": [["x", "a"]]},
+    {"k": "pickle"}, {"p": [["x", "a"]]}, {"cc": [1, 2]}, {"cc": [-1]}, {"cc": [1 << 32]}, {"cc": "x"},
 ])
 def test_hostile_manifest_fields_are_rejected(bad):
     leaf = {"p": [["d", "a"]], "k": "array", "dt": "float32", "sh": [4], "z": "arrays/0", "ch": [4]}

@@ -91,3 +91,12 @@ def test_chunks_of_lists_exactly_the_chunks_a_box_touches(data, shape):
                for pt in np.ndindex(*[hi - lo for lo, hi in box])
                for pt in [tuple(p + lo for p, (lo, _) in zip(pt, box))]}
     assert set(got) == touched and len(got) == len(set(got)) and got == sorted(got)
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.data(), shape=st.lists(st.integers(1, 30), min_size=0, max_size=3))
+def test_chunk_numbers_count_the_grid_in_c_order(data, shape):
+    chunks = [data.draw(st.integers(1, n)) for n in shape]
+    grid = layout.chunks_of(tuple((0, n) for n in shape), chunks)   # C order, as the manifest lists them
+    assert [layout.chunk_number(idx, shape, chunks) for idx in grid] == list(range(len(grid)))
+    assert layout.chunk_count(shape, chunks) == len(grid)

@@ -21,7 +21,8 @@ import pytest
 
 import ckpt_callbacks as cc
 import multihost_worker as W
-from ckpt_callbacks import coordination, snapshot
+from ckpt_callbacks import coordination, layout, snapshot
+from ckpt_callbacks import format as fmt
 from ckpt_callbacks.restore import read_manifest
 from ckpt_callbacks.storage import open_store
 from multiproc import launch
@@ -109,6 +110,14 @@ def test_each_replicated_byte_written_once_and_spread(two):
     assert m["process_count"] == 2 and m["host"] == {0: "host/p0.msgpack", 1: "host/p1.msgpack"}
     blob_writers = {rec["b"].split("/")[1].split("-")[0] for rec in m["leaves"] if rec["k"] == "packed"}
     assert blob_writers <= {"p0", "p1"}
+    # every chunk's CRC is recorded, whichever process wrote it: each is the one its file ends with
+    arrays = [rec for rec in m["leaves"] if rec["k"] == "array"]
+    assert arrays and all(len(rec["cc"]) == layout.chunk_count(rec["sh"], rec["ch"]) for rec in arrays)
+    step = root / "tree" / "step_0000000010"
+    for rec in arrays:
+        for idx in layout.chunks_of([(0, n) for n in rec["sh"]], rec["ch"]):
+            tail = (step / rec["z"] / fmt.chunk_key(idx)).read_bytes()[-4:]
+            assert int.from_bytes(tail, "little") == rec["cc"][layout.chunk_number(idx, rec["sh"], rec["ch"])]
 
 
 def test_retention_runs_on_process_0_and_every_process_sees_the_same_steps(two):

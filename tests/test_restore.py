@@ -199,6 +199,34 @@ def test_damaged_chunk_raises_corruption_naming_the_leaf(ckdir, damage):
     assert e.value.key_path == "['params']['w']"
 
 
+@pytest.mark.parametrize("read", ["whole", "reshard"])
+def test_an_intact_chunk_of_another_save_is_refused_not_restored(storage_dir, read):
+    """A chunk carries its own CRC, so a chunk file of another step (copied over this one's, a
+    step directory merged from elsewhere) read as intact and restored silently wrong data, and
+    `verify` passed it. The manifest records every chunk's CRC: whole-chunk reads, reads split
+    between shards (banded on a disk, mapped on tmpfs) and verify compare with it."""
+    from ckpt_callbacks import verify
+    sh = NamedSharding(mesh((4, 2)), P("a", "b"))
+    x1, x2 = (jax.device_put(random_array((512, 1024), "float32", k), sh) for k in (1, 2))
+    d = str(storage_dir / "run")
+    with cc.CheckpointManager(d, async_save=False) as m:
+        m.save(1, {"w": x1})
+        m.save(2, {"w": x2})
+    rec = [r for r in restore_mod.read_manifest(open_store(d), 2)["leaves"] if r["k"] == "array"][0]
+    assert len(rec["cc"]) == 8 and len(set(rec["cc"])) == 8       # one recorded CRC per chunk
+    step1, step2 = (os.path.join(d, f"step_000000000{k}", rec["z"], "c", "1", "1") for k in (1, 2))
+    shutil.copyfile(step1, step2)
+    dst = sh if read == "whole" else NamedSharding(mesh((2, 4)), P("a", "b"))
+    m = cc.CheckpointManager(d, read_only=True)
+    with pytest.raises(cc.CorruptCheckpointError, match=r"\['w'\]: chunk .*c/1/1 is intact but is not the chunk") as e:
+        m.restore(2, target={"w": jax.ShapeDtypeStruct(x2.shape, x2.dtype, sharding=dst)})
+    assert e.value.key_path == "['w']"
+    problems = verify.verify_step(open_store(d), 2)
+    assert [p for p, _ in problems] == ["['w']"] and "is not the chunk this step saved" in problems[0][1]
+    assert_tree_equal(m.restore(target={"w": x1}, fallback=True), {"w": x1})   # the intact step before it
+    assert m.restored_step == 1
+
+
 def test_a_zarr_json_with_big_endian_bytes_is_damage_never_a_wrong_read(ckdir):
     """zarr.json has no checksum of its own: an edited endian made restore return byte-swapped
     values and `verify` say ok (no crc32c codec: test_reliability.py)."""

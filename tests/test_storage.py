@@ -21,7 +21,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import ckpt_callbacks as cc
-from ckpt_callbacks import objectstore, snapshot, storage, writing
+from ckpt_callbacks import layout, objectstore, snapshot, storage, writing
 from ckpt_callbacks.storage import open_store
 from helpers import assert_tree_equal
 from objstore import SECRETS, gcs_server, objstore, objstore_env, s3_server  # noqa: F401 (fixtures)
@@ -365,6 +365,9 @@ def test_two_process_save_to_s3_writes_one_marker(s3_server):
     keys = bucket.keys()
     assert [k for k in keys if not k.startswith("step_0000000002/")] == ["commits/step_0000000002"]
     assert {"step_0000000002/host/p0.msgpack", "step_0000000002/host/p1.msgpack"} <= set(keys)
+    from ckpt_callbacks.restore import read_manifest
+    arrays = [r for r in read_manifest(open_store(bucket.url), 2)["leaves"] if r["k"] == "array"]
+    assert arrays and all(len(r["cc"]) == layout.chunk_count(r["sh"], r["ch"]) for r in arrays)   # both processes'
     # the pytest process (1 process x 8 devices) restores what 2 x 4 wrote, bit-exactly
     m = mw.mesh((4, 2))
     restored = cc.CheckpointManager(bucket.url, read_only=True).restore(target=mw.abstract(m, seed=2))
@@ -387,6 +390,31 @@ def test_cli_lists_verifies_and_collects_an_object_store(objstore, capsys):
     capsys.readouterr()
     assert open_store(objstore.url).committed_steps() == [3]
     assert {k.split("/")[0] for k in objstore.keys()} == {"commits", "step_0000000003"}
+
+
+def test_an_intact_chunk_object_of_another_save_is_refused_on_an_object_store(objstore):
+    """Tensorstore checks each chunk against the CRC the chunk carries; the manifest's record of
+    every chunk's CRC (computed by the writer for what tensorstore writes) is compared with the
+    chunk's last 4 bytes, so a chunk object of step 1 under step 2 is refused by restore and verify."""
+    from ckpt_callbacks import verify
+    from ckpt_callbacks.restore import read_manifest
+    mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("a", "b"))
+    sh = NamedSharding(mesh, P("a", "b"))
+    rng = np.random.default_rng(0)
+    xs = [jax.device_put(rng.standard_normal((512, 600), np.float32), sh) for _ in range(2)]
+    flags = rng.integers(0, 2, (1200, 1000)).astype(bool)   # a zarr array of bools, not chunked by shards
+    with cc.CheckpointManager(objstore.url, async_save=False) as m:
+        for step, x in ((1, xs[0]), (2, xs[1])):
+            m.save(step, {"w": x, "f": flags if step == 1 else ~flags})
+    recs = {r["p"][0][1]: r for r in read_manifest(open_store(objstore.url), 2)["leaves"]}
+    assert len(recs["w"]["cc"]) == 8 and len(recs["f"]["cc"]) == 1
+    key = f"{recs['w']['z']}/c/2/1"
+    objstore.write(f"step_0000000002/{key}", objstore.read(f"step_0000000001/{key}"))
+    m = cc.CheckpointManager(objstore.url, read_only=True)
+    with pytest.raises(cc.CorruptCheckpointError, match=r"\['w'\]: chunk .*c/2/1 is intact but is not the chunk"):
+        m.restore(2, target={"w": xs[1], "f": flags})
+    assert [p for p, _ in verify.verify_step(open_store(objstore.url), 2)] == ["['w']"]
+    assert_tree_equal(m.restore(1, target={"w": xs[0], "f": flags}), {"w": xs[0], "f": flags})
 
 
 def test_force_resave_replaces_a_committed_step_without_stale_objects(objstore):
