@@ -62,6 +62,7 @@ import numpy as np
 from .errors import CheckpointError, ConfigError, IncompatibleCheckpointError
 from .manager import CheckpointManager
 from .preemption import Preempted, PreemptionWatcher
+from .retention import as_int
 
 __all__ = ["CheckpointHook", "Preempted"]
 
@@ -105,11 +106,10 @@ def put_back(state, restored):
 
 
 def _as_step(step) -> int:
-    try:
-        s = operator.index(step)
-    except TypeError:
+    s = as_int(step)   # an int, numpy int or 0-d integer array (a TrainState's step); never a bool
+    if s is None:
         raise ConfigError(f"step must be an int (the number of training steps done), got "
-                          f"{type(step).__name__} {step!r}") from None
+                          f"{type(step).__name__} {step!r}")
     if s < 0:
         raise ConfigError(f"step must be >= 0, got {s}")
     return int(s)

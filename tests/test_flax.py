@@ -457,6 +457,19 @@ def test_on_steps_must_be_a_collection_of_steps(ckdir, on_steps):
         CheckpointHook(ckdir, on_steps=on_steps, preemption_signals=())
 
 
+@pytest.mark.parametrize("step", [True, np.bool_(False), 3.0, "3", np.float32(3), -1])
+def test_a_step_that_is_not_a_count_of_steps_is_refused_as_the_manager_refuses_it(ckdir, step):
+    """A bool was taken for step 1 (or 0) by the hook, which the manager's save refuses."""
+    hook = CheckpointHook(ckdir, every_steps=1, preemption_signals=())
+    for call in (lambda: hook(step, _tree(1)), lambda: hook.save(step, _tree(1)),
+                 lambda: hook.report_eval(step, {"loss": 1.0}), lambda: CheckpointHook(ckdir, on_steps=[step])):
+        with pytest.raises(cc.ConfigError, match="step"):
+            call()
+    hook(jnp.asarray(3, jnp.int32), _tree(3))   # a TrainState's step counter is an int
+    hook.close()
+    assert cc.CheckpointManager(ckdir, read_only=True).all_steps() == [3]
+
+
 def test_schedule_numbers_are_checked_alike_numpy_or_not(ckdir):
     hook = CheckpointHook(ckdir, every_steps=np.int64(4), every_secs=np.float32(60), preemption_signals=())
     assert (hook.every_steps, hook.every_secs) == (4, 60.0) and type(hook.every_steps) is int
