@@ -497,6 +497,15 @@ class AsyncCheckpoint(keras.callbacks.Callback):
                               f"resume=False. Fix: use a new directory, or resume=True to continue that run.")
         self._restore(step)
 
+    def _epoch_steps(self) -> int | None:
+        """Batches in an epoch of this fit: a ResumableDataset's pass, else Keras' steps (None when
+        unknown: an iterator without a length). Saved with each step: a mid-epoch resume into
+        epochs of another length (another batch size) continues at a batch that means other data."""
+        if isinstance(self.data, ResumableDataset):
+            return int(self.data.dataset.num_batches)
+        steps = (self.params or {}).get("steps")
+        return int(steps) if steps else None
+
     def _check_epochs_are_passes(self) -> None:
         """A ResumableDataset's epoch must be one pass over it: with another `steps_per_epoch`,
         Keras carries its iterator over epoch ends (or stops short), so epochs and passes drift
@@ -573,6 +582,13 @@ class AsyncCheckpoint(keras.callbacks.Callback):
             _set_rng_state(host["rng"])
         if move_data:
             self.data.set_state(host["data"])   # (at `_data_at`, fit() has read on from there already)
+        saved_steps, steps = host.get("steps"), self._epoch_steps()
+        if batch and saved_steps and steps and int(saved_steps) != steps:
+            log.warning("ckpt_callbacks: step %d was saved after batch %d of epoch %d, whose epochs had %d "
+                        "batches; this fit's have %d (another batch size, steps_per_epoch or dataset?), so batch "
+                        "%d is not the same place in the data: the epoch continues from there all the same "
+                        "(resume from an epoch-end step to avoid this)", step, batch, epoch + 1, int(saved_steps),
+                        steps, batch)
         if batch and self._state_iterator():
             log.warning("ckpt_callbacks: step %d was saved after batch %d of epoch %d; the iterator continues "
                         "at the next unseen batch, but Keras runs all of that epoch's steps_per_epoch batches "
@@ -740,7 +756,7 @@ class AsyncCheckpoint(keras.callbacks.Callback):
         model.jax_state_sync()   # mid-epoch, the live (to-be-donated) state is in model._jax_state
         progress = {"epoch": int(epoch), "batch": int(batch), "global_step": int(self._global_step),
                     "best": float("nan") if self.best is None else float(self.best), "version": 1}
-        host = {"rng": _rng_state()}
+        host = {"rng": _rng_state(), "steps": self._epoch_steps()}
         if self._state_iterator():
             host["data"] = self.data.get_state()
         started = self.manager.save(self._global_step, {"model": _state_tree(model), "progress": progress},

@@ -526,6 +526,25 @@ def test_a_resumed_epoch_ends_with_its_epoch_end_save(ckdir, spe, save_freq, cra
     assert int(mngr.restore(20)["progress"]["global_step"]) == 20
 
 
+@pytest.mark.parametrize("batches", [8, 4])
+def test_a_mid_epoch_resume_into_epochs_of_another_length_is_warned_about(ckdir, caplog, batches):
+    """Saved after batch 2 of an 8-batch epoch, resumed over a dataset of 4 larger batches (another
+    batch size): batch 2 is another place in the data, and the resume said nothing."""
+    ds = ResumableDataset(_Indexed(n=8), shuffle_seed=0)
+    model, _ = _tapped_model()
+    cb = AsyncCheckpoint(ckdir, save_freq=5, data=ds)
+    model.fit(ds, epochs=2, shuffle=False, verbose=0, callbacks=[_StopAfter(10), cb])
+    assert cb.manager.all_steps() == [5, 8, 10]   # step 10: after batch 2 of epoch 2
+    ds = ResumableDataset(_Indexed(n=batches), shuffle_seed=0)
+    model, _ = _tapped_model()
+    cb = AsyncCheckpoint(ckdir, save_freq=5, data=ds)
+    with caplog.at_level("WARNING", "ckpt_callbacks"):
+        model.fit(ds, epochs=2, shuffle=False, verbose=0, callbacks=[cb])
+    assert cb.resumed_step == 10 and cb.initial_batch == 2
+    warned = "step 10 was saved after batch 2 of epoch 2, whose epochs had 8 batches; this fit's have 4"
+    assert (warned in caplog.text) == (batches == 4), caplog.text
+
+
 class _StopAfter(keras.callbacks.Callback):
     """Sets `stop_training` after the n-th batch of the fit (a time budget)."""
 
