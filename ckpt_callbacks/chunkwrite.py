@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import math
 import os
 import stat
 import sys
@@ -116,23 +117,43 @@ def chunk_crcs(rec: dict, box, data: np.ndarray) -> list[int]:
     `data` (the box, as `writing` stores it: the storage dtype, bools as bytes 0/1) in
     little-endian C order, a chunk padded at the array's edge with zeros (the arrays' fill
     value) to its full shape. For what tensorstore writes (the writer records them in the
-    manifest, as `write_chunk`'s); one pass over `data`, copying only what is not already
-    stored that way."""
+    manifest, as `write_chunk`'s); one pass over `data`: the padding is never built, and only a
+    piece that is not C-contiguous little-endian already is copied (a row at a time where padded)."""
     shape, chunks = rec["sh"], rec["ch"]
     dt = data.dtype
+    swap = dt.byteorder == ">" or (dt.byteorder == "=" and sys.byteorder != "little")
     out = []
     for idx in layout.chunks_of(box, chunks):
         lo = [i * c for i, c in zip(idx, chunks)]
         view = data[tuple(slice(a - b0, min(a + c, n) - b0) for a, c, n, (b0, _) in zip(lo, chunks, shape, box))
                     + (Ellipsis,)]   # `...`: a 0-d box stays an array
-        if dt.byteorder == ">" or (dt.byteorder == "=" and sys.byteorder != "little"):
-            view = view.astype(dt.newbyteorder("<"))
-        if view.shape != tuple(chunks):   # padded at the array's edge
-            full = np.zeros(chunks, view.dtype)
-            full[tuple(slice(0, k) for k in view.shape)] = view
-            view = full
-        out.append(fmt.crc32c(memoryview(np.ascontiguousarray(view).reshape(-1).view(np.uint8))))
+        out.append(_padded_crc(view, tuple(chunks), swap, 0))
     return out
+
+
+def _padded_crc(view: np.ndarray, chunks: tuple, swap: bool, crc: int) -> int:
+    """`crc` continued over `view` stored in a chunk of shape `chunks` (zeros after each row that
+    is shorter than the chunk's, and after the last row)."""
+    if view.shape[1:] == chunks[1:]:   # whole inner rows: the data, then zeros
+        if swap:
+            view = view.astype(view.dtype.newbyteorder("<"))
+        crc = fmt.crc32c(memoryview(np.ascontiguousarray(view).reshape(-1).view(np.uint8)), crc)
+        return _zeros_crc((math.prod(chunks) - view.size) * view.dtype.itemsize, crc)
+    for row in view:   # padded in an inner dimension: row by row
+        crc = _padded_crc(row, chunks[1:], swap, crc)
+    return _zeros_crc((chunks[0] - len(view)) * math.prod(chunks[1:]) * view.dtype.itemsize, crc)
+
+
+_ZEROS = bytes(1 << 16)
+
+
+def _zeros_crc(n: int, crc: int) -> int:
+    """`crc` continued over `n` zero bytes."""
+    while n > 0:
+        k = min(n, len(_ZEROS))
+        crc = fmt.crc32c(memoryview(_ZEROS)[:k], crc)
+        n -= k
+    return crc
 
 
 def _write_direct_blocks(fd: int, raw: memoryview, address: int) -> tuple[int, bool]:

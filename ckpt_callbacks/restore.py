@@ -223,6 +223,8 @@ class leaf_reader:
             chunkread.read_boxes(self.store.path(f"{self.base}/{rec['z']}"), rec, boxes, outs, where,
                                  mapped=self.store.in_memory)
         else:
+            # the chunks' CRCs, in flight while the data is read (one more request per chunk)
+            crcs = self._read_crcs(arr, rec, [idx for b in boxes for idx in layout.chunks_of(b, rec["ch"])])
             for b, out in zip(boxes, outs):
                 try:   # decoded straight into our buffer
                     ts.array(out).write(arr[tuple(slice(lo, hi) for lo, hi in b)]).result()
@@ -230,19 +232,26 @@ class leaf_reader:
                     detail = self.store.redact(str(e))[:300]
                     raise read_failure(e, where, rec["z"], detail,
                                        f"{where}: reading {rec['z']} failed (damaged or missing chunk): {detail}") from None
-            self.check_recorded(arr, rec, [idx for b in boxes for idx in layout.chunks_of(b, rec["ch"])], where)
+            self._check_crcs(crcs, rec, where)
         return [out.view(fmt.logical_dtype(rec["dt"])) for out in outs]
 
     def check_recorded(self, arr, rec: dict, idxs: list, where: str) -> None:
         """Compare the stored CRC of each chunk `idxs` of the opened array `arr` (its last 4
         bytes, one ranged read each, all in flight at once) with the one the manifest records
         (`chunkread.check_recorded`); tensorstore checked each chunk's bytes against their CRC
-        as it read them. For what tensorstore reads (object stores); `chunkread` checks its own."""
-        recorded = rec.get("cc")
-        if not recorded:
-            return
+        as it read them. For what tensorstore reads (object stores: twice the requests of the
+        data alone, the extra ones of 4 bytes); `chunkread` checks its own."""
+        self._check_crcs(self._read_crcs(arr, rec, idxs), rec, where)
+
+    @staticmethod
+    def _read_crcs(arr, rec: dict, idxs: list) -> list:
+        if not rec.get("cc"):
+            return []
         at = math.prod(rec["ch"]) * np.dtype(fmt.storage_dtype(rec["dt"])).itemsize
-        reads = [(idx, arr.kvstore.read(fmt.chunk_key(idx), byte_range=slice(at, at + 4))) for idx in dict.fromkeys(idxs)]
+        return [(idx, arr.kvstore.read(fmt.chunk_key(idx), byte_range=slice(at, at + 4))) for idx in dict.fromkeys(idxs)]
+
+    def _check_crcs(self, reads: list, rec: dict, where: str) -> None:
+        recorded = rec.get("cc")
         for idx, fut in reads:
             chunk = f"{rec['z']}/{fmt.chunk_key(idx)}"
             try:

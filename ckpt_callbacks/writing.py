@@ -88,13 +88,18 @@ def zarr_spec(store: Store, rel: str, rec: dict) -> dict:
 
 
 def _to_storage(a: np.ndarray, dt: str) -> np.ndarray:
-    """`a` as its leaf is stored: bit-cast to the storage dtype, bools as bytes 0/1 only."""
+    """`a` bit-cast to its leaf's storage dtype."""
     sdt = fmt.storage_dtype(dt)
-    if a.dtype == np.bool_ and a.size and a.view(np.uint8).max() > 1:
-        # numpy takes any nonzero byte for True (a bool view of other bytes); tensorstore stores
-        # the byte as it is and refuses to read it back ("Invalid bool value"): store True as 1
-        return np.not_equal(a, False)
     return a if sdt == dt else a.view(sdt)
+
+
+def _bools(a: np.ndarray) -> np.ndarray:
+    """Bool data `a` with True stored as byte 1: numpy takes any nonzero byte for True (a bool view
+    of other bytes); tensorstore stores the byte as it is, then refuses to read it back ("Invalid
+    bool value"). On the writer thread: one scan of the bytes, a copy only where one is not 0/1."""
+    if a.dtype == np.bool_ and a.size and a.view(np.uint8).max() > 1:
+        return np.not_equal(a, False)
+    return a
 
 
 def write_and_commit(store: Store, step: int, snap: Snapshot, items, *, coord: Coordinator | None = None,
@@ -489,7 +494,7 @@ def _consume(store, staging, snap, items, arrays, budget, workers):
                 continue
             if item[0] == "packed":
                 _, leaf, arr = item
-                arr = _to_storage(arr, snap.records[leaf]["dt"])
+                arr = _bools(arr)
                 # a byte view, not a copy: msgpack copies it once, into the blob
                 raw = memoryview(np.ascontiguousarray(arr).reshape(-1).view(np.uint8))
                 blob.append(raw)
@@ -500,7 +505,7 @@ def _consume(store, staging, snap, items, arrays, budget, workers):
                 continue
             w = item[1]
             rec = snap.records[w.leaf]
-            data = _to_storage(np.asarray(w.data), rec["dt"])
+            data = _bools(_to_storage(np.asarray(w.data), rec["dt"]))
             todo = _chunk_files(staging, rec, w.box, data) if chunk_pool else None
             if todo is not None:
                 rels, views = todo

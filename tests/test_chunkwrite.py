@@ -66,6 +66,8 @@ def test_what_cannot_be_written_byte_for_byte_is_left_to_tensorstore(why, rec, b
 @pytest.mark.parametrize("shape,chunks,box,data", [
     ((10, 6), (4, 6), ((8, 10), (0, 6)), np.arange(12, dtype=np.float32).reshape(2, 6)),   # padded edge
     ((10, 6), (4, 4), ((0, 10), (0, 6)), np.arange(60, dtype=np.int16).reshape(10, 6)),    # padded both ways
+    ((5, 3, 7), (2, 2, 4), ((0, 5), (0, 3), (0, 7)), np.arange(105.0).reshape(5, 3, 7)),   # in every dimension
+    ((5, 3), (4, 2), ((0, 5), (0, 3)), np.arange(15, dtype=">i4").reshape(5, 3)),          # big-endian, padded
     ((9,), (9,), ((0, 9),), np.array([0, 1, 1, 1, 0, 1, 1, 0, 1], bool)),
     ((8,), (4,), ((0, 8),), np.arange(8, dtype=">f4")),                                     # big-endian
     ((6, 4), (3, 4), ((0, 6), (0, 4)), np.arange(48, dtype=np.float32).reshape(6, 8)[:, ::2]),   # not contiguous
@@ -83,6 +85,23 @@ def test_chunk_crcs_are_those_of_the_chunks_tensorstore_stores(tmp_path, shape, 
     tails = [open(store.path(f"a/{fmt.chunk_key(idx)}"), "rb").read()[-4:] for idx in idxs]
     assert chunkwrite.chunk_crcs(rec, box, data) == [int.from_bytes(t, "little") for t in tails]
     assert tails or 0 in shape
+
+
+def test_chunk_crcs_of_a_padded_chunk_never_build_the_chunk():
+    """A chunk padded at the array's edge (up to 64 MiB) was built whole to take its CRC: memory
+    outside any budget. The CRC runs over the data, then over the padding's zeros."""
+    import tracemalloc
+    rec = {"sh": [4099, 1024], "ch": [4096, 1024]}     # the second chunk: 3 rows of data, 4093 padded
+    data = np.ones((3, 1024), np.float32)
+    tracemalloc.start()
+    try:
+        got = chunkwrite.chunk_crcs(rec, ((4096, 4099), (0, 1024)), data)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    full = np.zeros((4096, 1024), np.float32)
+    full[:3] = 1
+    assert got == [fmt.crc32c(full)] and peak < 1 << 20
 
 
 @pytest.mark.parametrize("size", [9, 400_000])   # packed in a blob; a zarr array written by tensorstore

@@ -124,6 +124,23 @@ def test_in_memory_saves_without_kept_files_write_new_files_through_and_restore_
             assert_tree_equal(m.restore(k), expected[k])
 
 
+def test_bools_are_checked_for_bytes_other_than_0_and_1_off_the_callers_thread(ckdir, monkeypatch):
+    """The check (and a copy where a byte is not 0/1) ran in the snapshot on a memory file
+    system, stalling the caller for bools that are then copied and written later anyway."""
+    from ckpt_callbacks import writing
+    seen, real = [], writing._bools
+    monkeypatch.setattr(writing, "_bools", lambda a: (seen.append(threading.current_thread()), real(a))[1])
+    raw = np.random.default_rng(0).integers(0, 4, (1200, 1000), dtype=np.uint8)
+    tree = {"f": raw.view(bool), "g": jnp.asarray(raw > 1), "w": jnp.ones((512, 1024))}
+    with cc.CheckpointManager(ckdir) as m:
+        m.store.direct_io, m.store.in_memory = False, True   # as LocalStore decides on tmpfs
+        m.save(1, tree)
+        m.wait_until_finished()
+        got = m.restore(1)
+    assert seen and threading.main_thread() not in seen
+    assert_tree_equal(got, {"f": raw != 0, "g": np.asarray(raw > 1), "w": np.ones((512, 1024), np.float32)})
+
+
 @pytest.mark.parametrize("in_memory", [True, False], ids=["in memory (tmpfs)", "disk"])
 def test_a_save_fsyncs_nothing_on_a_memory_file_system_and_everything_on_a_disk(ckdir, in_memory, monkeypatch):
     """tmpfs and ramfs implement fsync as a no-op, so there a save opens and fsyncs no file or
