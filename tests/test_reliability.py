@@ -94,6 +94,10 @@ def test_declared_shape_beyond_stored_bytes_is_refused_before_allocating(ckdir):
     meta["shape"] = [600 * 2**10, 600 * 2**8]                     # ~377 GB of float32
     json.dump(meta, open(zarr_json, "w"))
     big["sh"] = meta["shape"]
+    with_crcs = fmt.pack_manifest(m)   # the chunk CRCs recorded do not cover that shape's chunks
+    with pytest.raises(cc.CorruptCheckpointError, match="leaf 1 chunk checksums"):
+        fmt.unpack_manifest(with_crcs)
+    del big["cc"]                      # as a manifest written before they were recorded
     open(path, "wb").write(fmt.pack_manifest(m))
     with pytest.raises(cc.CorruptCheckpointError, match=r"\['w'\].*declares"):
         cc.CheckpointManager(ckdir, read_only=True).restore()
