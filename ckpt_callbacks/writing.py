@@ -552,9 +552,9 @@ def _consume(store, staging, snap, items, arrays, budget, workers):
     for leaf, box, got in crcs:
         rec = snap.records[leaf]
         got = got if isinstance(got, list) else got.result()[1]
-        mine_ = chunk_crcs.setdefault(leaf, {})
+        by_number = chunk_crcs.setdefault(leaf, {})
         for idx, crc in zip(layout.chunks_of(box, rec["ch"]), got):
-            mine_[layout.chunk_number(idx, rec["sh"], rec["ch"])] = crc
+            by_number[layout.chunk_number(idx, rec["sh"], rec["ch"])] = crc
     return written, files, packed_info, chunk_crcs, sorted(mine), synced
 
 
