@@ -22,6 +22,7 @@ import ml_dtypes
 import msgpack
 import numpy as np
 
+from . import layout
 from .errors import CorruptCheckpointError, IncompatibleCheckpointError
 
 __all__ = ["FORMAT_VERSION", "MANIFEST", "step_name", "parse_step_name", "pack_manifest",
@@ -289,7 +290,7 @@ def _validate(m: dict) -> None:
             need(isinstance(ch, list) and len(ch) == len(leaf["sh"])
                  and all(isinstance(c, int) and c >= 1 for c in ch), f"leaf {i} chunks")
             cc = leaf.get("cc")   # absent from manifests written before chunks' checksums were recorded
-            need(cc is None or (isinstance(cc, list) and len(cc) == math.prod(-(-n // c) for n, c in zip(leaf["sh"], ch))
+            need(cc is None or (isinstance(cc, list) and len(cc) == layout.chunk_count(leaf["sh"], ch)
                                 and all(isinstance(c, int) and 0 <= c < 1 << 32 for c in cc)), f"leaf {i} chunk checksums")
         if kind == "packed":
             need(isinstance(leaf.get("b"), str) and BLOB_RE.match(leaf["b"]), f"leaf {i} blob name")

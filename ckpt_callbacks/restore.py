@@ -195,7 +195,7 @@ class leaf_reader:
         else:  # list from the store's root: listing a sub-path gcs kvstore aborts tensorstore (std::out_of_range)
             base = f"{self.base}/{rec['z']}/"
             keys = _chunk_keys([k[len(base):].encode() for k in self.store._list(base + "c")])
-        need = math.prod(-(-n // c) for n, c in zip(rec["sh"], rec["ch"])) if rec["sh"] else 1
+        need = layout.chunk_count(rec["sh"], rec["ch"])
         chunk_bytes = math.prod(rec["ch"]) * np.dtype(fmt.storage_dtype(rec["dt"])).itemsize
         if len(keys) != need or (stored is not None and stored < need * chunk_bytes):
             raise CorruptCheckpointError(
