@@ -29,12 +29,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import functools
 import itertools
 import math
 import mmap
-import re
-import sys
 import threading
 import time
 from typing import Any
@@ -115,8 +112,7 @@ class HostPool:
     freshly allocated memory, on the step's critical path: 32 MiB of weights cost that step
     ~20 ms on this project's 2-vCPU test machine, against ~3.5 ms for copying them at once into
     warm buffers. Above `max_bytes` (or a save's `ByteBudget` limit) views are kept, so the caller
-    is never blocked for long. Buffers of 2 MiB and more are anonymous mappings (page-aligned,
-    populated when mapped; with transparent huge pages where the kernel lends them without stalling).
+    is never blocked for long. Buffers come from the C heap, page-aligned from 64 KiB (`_host_empty`).
 
     Who calls what: `CheckpointManager` owns one. `copy` takes buffers on the caller's thread;
     the manager calls `recycle` after joining the previous save's writer (nothing reads its
@@ -146,8 +142,8 @@ class HostPool:
         self._lent = []
 
     def clear(self, background: bool = False) -> None:
-        """Drop every buffer. With `background` their memory goes back to the system on a thread
-        of its own (unmapping 30 MiB costs ~7 ms here): the manager's `close` need not wait."""
+        """Drop every buffer. With `background` they are freed on a thread of its own (where
+        malloc mapped them, unmapping 30 MiB costs ~7 ms here): the manager's `close` need not wait."""
         bufs = [b for free in self._free.values() for b in free] + self._lent
         self._free, self._lent = {}, []
         if background and bufs:
@@ -155,51 +151,22 @@ class HostPool:
 
 
 def _host_empty(nbytes: int) -> np.ndarray:
-    """A pool buffer; from 64 KiB on page-aligned, so that `chunkwrite` may send it to a disk with
-    O_DIRECT (below 2 MiB from numpy's heap, at most 4 KiB more; from 2 MiB an anonymous mapping)."""
+    """A pool buffer from the C heap (numpy's allocator); from 64 KiB on page-aligned (at most a
+    page more), so that `chunkwrite` may send it to a disk with O_DIRECT.
+
+    Why the heap and not a fresh anonymous mapping: by the first save a training process holds
+    tens of MiB that it touched and freed (compiling, building the model: ~70 MiB in a Keras fit
+    here), and malloc hands those pages back without a fault. A fresh mapping faults in new pages,
+    which a VM whose balloon reports free memory to its host (this project's test VM) pays ~3 ms
+    per MiB for: the first save of a 30 MiB Keras state took 75-135 ms in its blocking part,
+    against 10-40 ms from the heap (docs/benchmarks.md). Where the heap has no room, malloc maps
+    fresh pages itself and the first copy faults them in.
+    """
     if nbytes < (64 << 10):
         return np.empty(nbytes, np.uint8)
-    if nbytes < (2 << 20):
-        raw = np.empty(nbytes + mmap.PAGESIZE, np.uint8)
-        off = -raw.ctypes.data % mmap.PAGESIZE
-        return raw[off:off + nbytes]
-    # Populated at once rather than by a page fault per 4 KiB page on the first copy: mapping 30
-    # MiB then takes ~13 ms here instead of ~22 (faulting). Transparent huge pages (~3 ms, and
-    # half the system time of pinning the pages for each O_DIRECT write) only where the kernel
-    # lends them without stalling the caller (`_huge_pages_never_stall`).
-    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
-    if sys.platform.startswith("linux"):   # the populate advice's number is Linux's
-        m = mmap.mmap(-1, nbytes, flags=flags)
-        if _huge_pages_never_stall():
-            try:
-                m.madvise(mmap.MADV_HUGEPAGE)
-            except (AttributeError, OSError):   # a kernel without transparent huge pages
-                pass
-        try:
-            m.madvise(_MADV_POPULATE_WRITE)
-            return np.frombuffer(m, np.uint8)
-        except (AttributeError, OSError):   # a kernel before 5.14 (EINVAL)
-            m.close()
-    m = mmap.mmap(-1, nbytes, flags=flags | getattr(mmap, "MAP_POPULATE", 0))
-    return np.frombuffer(m, np.uint8)
-
-
-@functools.lru_cache(maxsize=None)
-def _huge_pages_never_stall(defrag: str = "/sys/kernel/mm/transparent_hugepage/defrag") -> bool:
-    """Whether huge pages asked for with MADV_HUGEPAGE come without direct compaction: only when the
-    kernel's defrag mode is ``defer`` or ``never`` (it falls back to small pages at once). Under
-    ``madvise``, ``defer+madvise`` or ``always`` (this project's VM: ``madvise``) a fault in
-    such a mapping may first compact memory: the first save of a `model.fit` took 76-150 ms in
-    3 of 12 fits here, against ~19 ms with small pages."""
-    try:
-        with open(defrag) as f:
-            mode = re.search(r"\[([a-z+]+)\]", f.read())
-    except OSError:
-        return False
-    return mode is not None and mode.group(1) in ("defer", "never")
-
-
-_MADV_POPULATE_WRITE = 23   # Linux >= 5.14; Python's mmap module does not name it
+    raw = np.empty(nbytes + mmap.PAGESIZE, np.uint8)
+    off = -raw.ctypes.data % mmap.PAGESIZE
+    return raw[off:off + nbytes]
 
 
 @dataclasses.dataclass
