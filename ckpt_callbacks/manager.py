@@ -13,10 +13,9 @@ Example::
 
 Who calls what: every process constructs the manager and calls `save`/`restore` with the same
 arguments in the same order (SPMD). `save` runs on the caller's thread only for the snapshot; a
-background thread (on a disk, started after a snapshot of copies into warm buffers) writes,
-commits, then (process 0) applies retention and deletes, and tells the other processes, which
-wait for it (so every process then sees the same committed steps). One save
-is in flight at a time: the next `save`, `wait_until_finished` or `close` waits for it and re-raises
+background thread, started alongside it, writes, commits, then (process 0) applies retention
+and deletes, and tells the other processes, which wait for it (so every process then sees the
+same committed steps). One save is in flight at a time: the next `save`, `wait_until_finished` or `close` waits for it and re-raises
 its failure. Start-up (process 0): check the directory is writable, take the writer lock, remove
 leftovers of crashed saves (only names this package creates); the other processes wait for its
 outcome and raise if it failed. A manager left open with a save in flight when the interpreter
@@ -319,30 +318,23 @@ class CheckpointManager:
             except BaseException as e:  # noqa: BLE001 - re-raised by the next call
                 self._error = e
 
-        # On a disk (no write-through), when the snapshot copies every leaf into the pool, the
-        # writer starts once it is taken: started alongside, its start (taking over the
-        # directory of the step that retention hid) would take turns at the GIL with the copies,
-        # on the caller's time (Keras fit, 30 MiB, 2 vCPUs: hooks 12-13 -> 7-8 ms; see
-        # docs/benchmarks.md). Otherwise it starts first: a budget may make the copies wait for
-        # it, and views or device copies take little time; on tmpfs the write-through runs
-        # during the snapshot anyway; an object store's start may wait for the network.
-        late = self.store.local and not through_ok and snapshot.pool_only(snap, budget, self._pool)
+        # The writer starts first, alongside the snapshot: a budget may make the copies wait for
+        # it; on tmpfs the write-through runs during the snapshot anyway; and where the snapshot
+        # copies into the pool (CPU training) its start, first chunk CRCs and write submissions
+        # use the cores that the paused training leaves idle, where later they would be taken
+        # from training (Keras fit on disk, 2 vCPUs: +20-25 % instead of +21-33 %, hooks ~1 ms
+        # longer; docs/benchmarks.md).
         self._thread = threading.Thread(target=run, name=f"ckpt_callbacks-save-{step}", daemon=True)
-        if not late:
-            self._thread.start()
+        self._thread.start()
         try:
             through = WriteThrough(self.store, step, token, snap, self._workers) if through_ok else None
             snapshot.copy(snap, items.put, budget, self._pool, through)
         except BaseException as e:
             items.put(("abort", e))
             items.put(None)
-            if late:
-                self._thread.start()   # it takes the abort and cleans up as usual
-            self._thread.join()
+            self._thread.join()   # it takes the abort and cleans up as usual
             self._thread, self._error = None, None
             raise
-        if late:
-            self._thread.start()
         if not self.async_save:
             self._wait()
         return True

@@ -8,9 +8,9 @@ Example::
     copy(snap, items.append)   # returns once the copies are taken; `w` may now be donated
 
 Who calls what: `CheckpointManager.save` calls `plan` then `copy` on every process, on the caller's
-thread; the background writer (`writing.write_and_commit`) consumes the copies `copy` emits (on a
-disk it starts once `copy` returns where `pool_only`, else alongside). Everything that depends on
-the caller's buffers happens here; nothing after it reads them.
+thread; the background writer (`writing.write_and_commit`) consumes the copies `copy` emits (started
+alongside it). Everything that depends on the caller's buffers happens here; nothing after it
+reads them.
 
 Copies: numpy leaves are copied (`np.array`; they are mutable). jax.Array shards this process
 writes: on CPU, a zero-copy numpy view (the runtime does not donate a buffer while a view of it is
@@ -44,7 +44,7 @@ from . import layout, treepath
 from .coordination import Coordinator, SingleProcess
 from .errors import InvalidTreeError
 
-__all__ = ["plan", "copy", "pool_only", "Snapshot", "ByteBudget", "HostPool", "PACK_MAX_BYTES",
+__all__ = ["plan", "copy", "Snapshot", "ByteBudget", "HostPool", "PACK_MAX_BYTES",
            "CHUNK_MAX_BYTES", "EAGER_COPY_MAX_BYTES"]
 
 PACK_MAX_BYTES = 1 << 20      # leaves up to this size are packed into msgpack blobs
@@ -192,7 +192,6 @@ class Snapshot:
     pooled: bool = False           # host-side copies live in a HostPool: reused by a later save
     _sources: Any = None           # the caller's leaves; dropped by `copy`
     _boxes: Any = None             # (leaf, box, devices, nbytes) this process writes
-    _host: Any = None              # `_host_copies`, once computed
 
 
 def _sharding_desc(x) -> dict:
@@ -366,33 +365,14 @@ def _copies(snap: Snapshot):
         yield i, nbytes
 
 
-def _host_copies(snap: Snapshot) -> tuple[int, bool]:
-    """(bytes of the host-side leaves (numpy, CPU jax) this process copies in `copy`, whether
-    every copy is of a host-side leaf): one pass over the leaves per snapshot."""
-    if snap._host is None:
-        n, every = 0, True
-        for i, nbytes in _copies(snap):
-            if _host_side(snap._sources[i]):
-                n += nbytes
-            else:
-                every = False
-        snap._host = (n, every)
-    return snap._host
+def _host_bytes(snap: Snapshot) -> int:
+    """Bytes of the host-side leaves (numpy, CPU jax) this process copies in `copy`."""
+    return sum(nbytes for i, nbytes in _copies(snap) if _host_side(snap._sources[i]))
 
 
 def _pool_limit(budget: ByteBudget | None, pool: HostPool) -> int:
     """The most host-side bytes `copy` puts in `pool` (else it keeps views)."""
     return pool.max_bytes if budget is None or budget.limit is None else min(pool.max_bytes, budget.limit)
-
-
-def pool_only(snap: Snapshot, budget: ByteBudget | None, pool: HostPool | None) -> bool:
-    """Whether `copy` (after `plan`) will copy every leaf of this process into `pool`: all are
-    host-side and fit its limit and the budget's. Its time is then memory copies alone, and no
-    reservation from the budget waits for the writer."""
-    if pool is None:
-        return False
-    nbytes, every = _host_copies(snap)
-    return every and nbytes <= _pool_limit(budget, pool)
 
 
 def _wait_all(futures) -> None:
@@ -423,7 +403,7 @@ def copy(snap: Snapshot, emit, budget: ByteBudget | None = None, pool: HostPool 
     """
     sources, pi = snap._sources, snap.process_index
     if pool is not None:
-        snap.pooled = _host_copies(snap)[0] <= _pool_limit(budget, pool)
+        snap.pooled = _host_bytes(snap) <= _pool_limit(budget, pool)
     eager = pool.copy_of if snap.pooled else None
     through = through if snap.pooled else None
     pending: list = []

@@ -387,15 +387,13 @@ def _writer_running() -> bool:
     return any(t.name.startswith("ckpt_callbacks-save-") and t.is_alive() for t in threading.enumerate())
 
 
-@pytest.mark.parametrize("where,budget,during", [("disk", None, False), ("disk", 1 << 20, True),
-                                                 ("tmpfs", None, True)])
-def test_the_writer_starts_after_the_snapshot_on_a_disk_unless_a_budget_streams_the_copies(
-        ckdir, monkeypatch, where, budget, during):
-    """On a disk, a snapshot that copies every leaf into the manager's warm buffers (within the
-    byte budget) never waits for the writer, which then starts once the copies are taken (not
-    alongside, on the caller's time). Under a budget smaller than the copies (views, streamed)
-    it runs alongside, writing earlier copies so that later ones fit; with write-through (tmpfs)
-    it runs alongside too. Each save is whole either way."""
+@pytest.mark.parametrize("where,budget", [("disk", None), ("disk", 1 << 20), ("tmpfs", None)])
+def test_the_writer_runs_alongside_the_snapshot_and_each_save_is_whole(ckdir, monkeypatch, where, budget):
+    """The writer thread is running while the snapshot is taken: on a disk where the snapshot
+    copies every leaf into the manager's warm buffers (its start and first writes use the cores
+    that the paused training leaves idle: CPU training on 2 vCPUs gained 2-10 points of fit
+    overhead), under a budget smaller than the copies (it writes earlier copies so that later
+    ones fit), and with write-through (tmpfs). Each save is whole either way."""
     from ckpt_callbacks import snapshot
     seen = []
     real = snapshot.copy
@@ -410,7 +408,7 @@ def test_the_writer_starts_after_the_snapshot_on_a_disk_unless_a_budget_streams_
             got = m.restore(step=k)
             for name, x in _big_tree(k).items():
                 np.testing.assert_array_equal(got[name], x)
-    assert seen == [during] * 4
+    assert seen == [True] * 4
 
 
 @pytest.mark.parametrize("where", ["disk", "tmpfs"])
