@@ -15,12 +15,13 @@ Who calls what: every process constructs the manager and calls `save`/`restore` 
 arguments in the same order (SPMD). `save` runs on the caller's thread only for the snapshot; a
 background thread, started alongside it, writes, commits, then (process 0) applies retention
 and deletes, and tells the other processes, which wait for it (so every process then sees the
-same committed steps). One save is in flight at a time: the next `save`, `wait_until_finished` or `close` waits for it and re-raises
-its failure. Start-up (process 0): check the directory is writable, take the writer lock, remove
-leftovers of crashed saves (only names this package creates); the other processes wait for its
-outcome and raise if it failed. A manager left open with a save in flight when the interpreter
-exits normally is closed then (before Python stops the thread pools its writer uses), so that
-save commits, with a warning that `close` was not called. Multi-host details: docs/multihost.md.
+same committed steps). One save is in flight at a time: the next `save`, `wait_until_finished`
+or `close` waits for it and re-raises its failure. Start-up (process 0): check the directory is
+writable, take the writer lock, remove leftovers of crashed saves (only names this package
+creates); the other processes wait for its outcome and raise if it failed. A manager left open
+with a save in flight when the interpreter exits normally is closed then (before Python stops
+the thread pools its writer uses), so that save commits, with a warning that `close` was not
+called. Multi-host details: docs/multihost.md.
 
 Saving a step that is already committed never overwrites it: the save is skipped with a warning
 (the resumed-run case) and returns False; ``force=True`` replaces it: readers see the old step or
@@ -322,8 +323,8 @@ class CheckpointManager:
         # it; on tmpfs the write-through runs during the snapshot anyway; and where the snapshot
         # copies into the pool (CPU training) its start, first chunk CRCs and write submissions
         # use the cores that the paused training leaves idle, where later they would be taken
-        # from training (Keras fit on disk, 2 vCPUs: +20-25 % instead of +21-33 %, hooks ~1 ms
-        # longer; docs/benchmarks.md).
+        # from training (Keras fit on disk, 2 vCPUs, six interleaved A/Bs: per-round median
+        # overheads 2-10 points lower, hooks ~1 ms longer; docs/benchmarks.md).
         self._thread = threading.Thread(target=run, name=f"ckpt_callbacks-save-{step}", daemon=True)
         self._thread.start()
         try:

@@ -158,9 +158,9 @@ def _host_empty(nbytes: int) -> np.ndarray:
     tens of MiB that it touched and freed (compiling, building the model: ~70 MiB in a Keras fit
     here), and malloc hands those pages back without a fault. A fresh mapping faults in new pages,
     which a VM whose balloon reports free memory to its host (this project's test VM) pays ~3 ms
-    per MiB for: the first save of a 30 MiB Keras state took 75-135 ms in its blocking part,
-    against 10-40 ms from the heap (docs/benchmarks.md). Where the heap has no room, malloc maps
-    fresh pages itself and the first copy faults them in.
+    per MiB for: the first save of a 30 MiB Keras state took 12-94 ms in its pool copy (median of
+    six fresh processes ~73 ms), against 9-70 ms (~27 ms) from the heap (docs/benchmarks.md).
+    Where the heap has no room, malloc maps fresh pages itself and the first copy faults them in.
     """
     if nbytes < (64 << 10):
         return np.empty(nbytes, np.uint8)
