@@ -28,7 +28,9 @@ save then blocks until enough earlier shards are written).
 from __future__ import annotations
 
 import concurrent.futures
+import ctypes
 import dataclasses
+import functools
 import itertools
 import math
 import mmap
@@ -151,8 +153,8 @@ class HostPool:
 
 
 def _host_empty(nbytes: int) -> np.ndarray:
-    """A pool buffer from the C heap (numpy's allocator); from 64 KiB on page-aligned (at most a
-    page more), so that `chunkwrite` may send it to a disk with O_DIRECT.
+    """A pool buffer from the C heap; from 64 KiB on page-aligned (``posix_memalign``), so that
+    `chunkwrite` may send it to a disk with O_DIRECT.
 
     Why the heap and not a fresh anonymous mapping: by the first save a training process holds
     tens of MiB that it touched and freed (compiling, building the model: ~70 MiB in a Keras fit
@@ -161,12 +163,50 @@ def _host_empty(nbytes: int) -> np.ndarray:
     per MiB for: the first save of a 30 MiB Keras state took 12-94 ms in its pool copy (median of
     six fresh processes ~73 ms), against 9-70 ms (~27 ms) from the heap (docs/benchmarks.md).
     Where the heap has no room, malloc maps fresh pages itself and the first copy faults them in.
+    Not numpy's own allocation: numpy asks for transparent huge pages on every buffer of 4 MiB
+    and more, and under the kernel's default defrag mode (``madvise``) a fault there may first
+    compact memory (a fit's first save took 76-150 ms in 3 of 12 fits on an earlier test VM).
     """
     if nbytes < (64 << 10):
         return np.empty(nbytes, np.uint8)
-    raw = np.empty(nbytes + mmap.PAGESIZE, np.uint8)
-    off = -raw.ctypes.data % mmap.PAGESIZE
-    return raw[off:off + nbytes]
+    libc = _libc()
+    if libc is None:   # no posix_memalign (e.g. Windows): numpy's, page-aligned by hand
+        raw = np.empty(nbytes + mmap.PAGESIZE, np.uint8)
+        off = -raw.ctypes.data % mmap.PAGESIZE
+        return raw[off:off + nbytes]
+    return np.asarray(_Aligned(nbytes, libc))
+
+
+class _Aligned:
+    """A page-aligned block from ``posix_memalign``, freed when the last array viewing it goes
+    (numpy keeps this object as the base of every view of `np.asarray(_Aligned(n, libc))`)."""
+
+    def __init__(self, nbytes: int, libc):
+        self._ptr, ptr = None, ctypes.c_void_p()
+        if libc.posix_memalign(ctypes.byref(ptr), mmap.PAGESIZE, nbytes):
+            raise MemoryError(f"posix_memalign of {nbytes} bytes failed")
+        self._free, self._ptr = libc.free, ptr.value
+        self.__array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (self._ptr, False),
+                                    "version": 3}
+
+    def __del__(self):
+        if self._ptr:
+            self._free(self._ptr)
+            self._ptr = None
+
+
+@functools.lru_cache(maxsize=None)
+def _libc():
+    """The C library's ``posix_memalign`` and ``free``, or None where ctypes cannot find them."""
+    try:
+        libc = ctypes.CDLL(None)
+        libc.posix_memalign.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t, ctypes.c_size_t]
+        libc.posix_memalign.restype = ctypes.c_int
+        libc.free.argtypes = [ctypes.c_void_p]
+        libc.free.restype = None
+        return libc
+    except (OSError, AttributeError, TypeError):
+        return None
 
 
 @dataclasses.dataclass
