@@ -193,6 +193,38 @@ def machine(dirs: dict) -> dict:
     return info
 
 
+REPORT_WAIT_S = 5.0   # a guest reports freed memory to the host ~2 s after it is freed
+
+
+def fresh_memory(nbytes: int = 256 * MiB) -> dict:
+    """Milliseconds per MiB for this process to first write the pages of a new anonymous mapping
+    of `nbytes` (``fresh_memory_ms_per_mib``), and for a second mapping made right after the first
+    is unmapped (``reused_memory_ms_per_mib``: pages the kernel freed a moment ago).
+
+    Why: every restore fills new buffers, a tmpfs save new tmpfs pages and a first save new staging
+    buffers, and on a VM whose host takes back the memory its guest frees (a balloon with free page
+    reporting, as on this project's EPYC test VM) the first touch of such memory costs a host-side
+    fault per page: from ~0.5 to over 2 ms per MiB on that VM from hour to hour, against ~0.4 ms
+    there for pages freed a moment before (the guest kernel's own fault and zeroing). The two
+    numbers put each run's memory-bound timings in context; `main` measures them before the first
+    workload (whose child process starts with 256 MiB unmapped a moment earlier) and again after
+    the last, once `REPORT_WAIT_S` have passed (the freed memory of the last child is otherwise
+    what the measurement gets)."""
+    import mmap
+    import numpy as np
+    out = {}
+    for key in ("fresh_memory_ms_per_mib", "reused_memory_ms_per_mib"):
+        m = (mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS) if hasattr(mmap, "MAP_ANONYMOUS")
+             else mmap.mmap(-1, nbytes))
+        pages = np.frombuffer(m, np.uint8)
+        t0 = time.perf_counter()
+        pages[::mmap.PAGESIZE] = 1   # one write per page: each page is faulted in and zeroed
+        out[key] = round((time.perf_counter() - t0) * 1e3 / (nbytes / MiB), 3)
+        del pages
+        m.close()
+    return out
+
+
 def main(argv=None) -> int:
     """Run the benchmark; see the module docstring. Returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -209,6 +241,7 @@ def main(argv=None) -> int:
         if not os.path.isdir(d):
             os.makedirs(d)
             made.append(d)
+    memory = [fresh_memory()]   # before and after the workloads: see `fresh_memory`
     t0 = time.time()
     rows = []
     try:
@@ -219,7 +252,10 @@ def main(argv=None) -> int:
     finally:
         for d in made:
             shutil.rmtree(d, ignore_errors=True)
-    result = {"command": "ckpt-callbacks bench " + " ".join(argv), "machine": machine(dirs),
+    time.sleep(REPORT_WAIT_S)
+    memory.append(fresh_memory())
+    result = {"command": "ckpt-callbacks bench " + " ".join(argv),
+              "machine": {**machine(dirs), **{k: [m[k] for m in memory] for k in memory[0]}},
               "config": {k: v for k, v in vars(args).items() if k not in ("child", "json", "output")},
               "elapsed_s": round(time.time() - t0, 1), "rows": rows}
     result["ratios"] = ratios(rows)

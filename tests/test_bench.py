@@ -113,11 +113,31 @@ def test_targets_and_table_cover_every_workload(result):
     assert all(t["met"] in (True, False) and "note" in t for t in result["targets"])  # scale != 1 is noted
     m = result["machine"]
     assert m["cpus"] >= 1 and m["jax"] and "tmpfs_fs" in m and "disk_fs" in m
+    for key in ("fresh_memory_ms_per_mib", "reused_memory_ms_per_mib"):   # before and after the workloads
+        assert len(m[key]) == 2 and all(v > 0 for v in m[key]), m
     text = render(result)
     for head in ("== big on tmpfs", "== small on disk", "== reshard on disk", "== memory on tmpfs",
                  "== fit on disk", "== targets", "ours/peer blk/dur/rst", "read/needed", "overhead", "+cpu ms",
                  "ckpt_callbacks per fit (medians): blocking"):
         assert head in text, head
+
+
+def test_fresh_memory_times_the_first_write_of_every_page(monkeypatch):
+    """Two mappings, each written on every page (so each page is faulted in) and unmapped."""
+    import mmap
+    made, written = [], []
+    real = mmap.mmap
+
+    class Spy(real):
+        def close(self):
+            written.append(all(self[i] == 1 for i in range(0, len(self), mmap.PAGESIZE)))
+            super().close()
+
+    monkeypatch.setattr(mmap, "mmap", lambda *a, **kw: made.append(Spy(*a, **kw)) or made[-1])
+    got = bench.fresh_memory(4 << 20)
+    assert set(got) == {"fresh_memory_ms_per_mib", "reused_memory_ms_per_mib"}
+    assert all(v > 0 for v in got.values())
+    assert len(made) == 2 and all(m.closed for m in made) and written == [True, True]
 
 
 def _row(wl, st, peer, case="", **kw):
