@@ -22,7 +22,7 @@ The ``checkpoint`` section (every key optional except ``directory``)::
     directory: /path | file:///path | s3://bucket/prefix | gs://bucket/prefix   (~ and $VARS expand)
     save_interval_steps: 10          # positive int
     async_save: true                 # false: save() returns after the commit
-    max_staging_bytes: null          # cap on host staging memory (bytes), null = no cap
+    max_staging_bytes: null          # cap on host staging memory (bytes; a larger shard alone), null = no cap
     timeout_s: 600                   # cross-process waits of a save
     retention:                       # see ckpt_callbacks.retention_from_config; omit to keep all
       keep_last: 3

@@ -157,7 +157,8 @@ class CheckpointManager:
       save_interval_steps: `save(step)` saves when ``step % N == 0`` (or with ``force=True``).
       retention: None (keep all), a policy, a list of policies (kept if any keeps), or a config dict.
       async_save: False makes `save` return only after the commit (and retention).
-      max_staging_bytes: cap on host bytes held for staging; None copies everything at once.
+      max_staging_bytes: cap on host bytes held for staging (a shard is copied whole: a shard
+        larger than the cap is staged alone); None copies everything at once.
       timeout_s: limit on every cross-process wait of a save (barriers, gathers).
       clock: the time recorded as a step's save time (inject for tests of time-based retention).
       read_only: open for restore only: no lock, no cleanup, `save` raises.

@@ -65,6 +65,11 @@ def test_int_keys_namedtuple_dataclass_with_target(ckdir):
     assert isinstance(out["nt"], Pair) and isinstance(out["dc"], State)
     plain = m.restore()
     assert set(plain["ints"]) == {1, 2} and plain["nt"]["first"] == 3 and plain["dc"]["step"] == 7
+    # as docs/concepts.md §5 says: arrays as host numpy, Python numbers as themselves, typed keys
+    # (numpy cannot hold them) as jax key arrays
+    assert isinstance(plain["ints"][1], np.ndarray) and type(plain["dc"]["step"]) is int
+    assert jax.dtypes.issubdtype(plain["keys"].dtype, jax.dtypes.prng_key)
+    assert_tree_equal(jax.random.key_data(plain["keys"]), jax.random.key_data(tree["keys"]))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -310,6 +310,16 @@ def test_staging_memory_is_bounded_by_the_budget(ckdir):
     assert stats.peak_staging_bytes <= budget
 
 
+def test_a_shard_larger_than_the_budget_is_staged_alone_and_whole(ckdir):
+    """The documented bound: max(budget, the largest shard), one over-budget shard at a time."""
+    tree = {f"w{i}": np.full((1024, 1024), i, np.float32) for i in range(3)}   # 3 x 4 MiB numpy copies
+    with cc.CheckpointManager(ckdir, max_staging_bytes=1 << 20) as m:
+        m.save(1, tree)
+        m.wait_until_finished()
+        assert m.last_stats.peak_staging_bytes == 4 << 20
+        assert_tree_equal(m.restore(1), tree)
+
+
 def test_phase_timings_are_reported(ckdir):
     with cc.CheckpointManager(ckdir) as m:
         m.save(1, sharded_state())
