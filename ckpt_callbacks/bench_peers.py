@@ -83,12 +83,9 @@ def evict(path: str) -> None:
 
 def bytes_read() -> int:
     """Bytes this process has read so far: through read(2)-family calls (``rchar``: every library,
-    page cache or not; tensorstore's file kvstore and Python file reads alike), plus what
-    `chunkread` read from mappings of chunk files (tmpfs), which ``rchar`` does not see."""
+    page cache or not; tensorstore's file kvstore and Python file reads alike)."""
     import psutil
-
-    from . import chunkread
-    return psutil.Process().io_counters().read_chars + chunkread.bytes_mapped()
+    return psutil.Process().io_counters().read_chars
 
 
 def ts_bytes_read() -> int:

@@ -17,12 +17,11 @@ chunk file is the chunk's raw bytes followed by their CRC-32C. For local files t
 restore ``preadv`` each chunk into the very buffer its device will adopt, and check the CRC on
 it, with no intermediate buffer: on small machines fresh memory is the cost of a restore, and
 tensorstore's read path touches each byte's memory twice (its own read buffer, then ours).
-Chunks that several target shards share (a restore onto another mesh) are read once: on a memory
-file system (tmpfs, ``mapped``) the chunk file is mapped, its CRC checked on the mapping and each
-shard's part copied out of it, so each byte is copied once, as on a direct read; elsewhere ~1 MiB
-of rows at a time into a small buffer, each band checked into the running CRC and split among the
-shards while it is still in cache (a mapping of a file that is not cached would read it page
-fault by page fault). Destination buffers are 64-byte aligned (`aligned_empty`): the kernel's
+Chunks that several target shards share (a restore onto another mesh) are read once, ~1 MiB of
+rows at a time into a small buffer, each band checked into the running CRC and split among the
+shards while it is still in cache (on tmpfs too: there a read-only mapping of each such chunk
+file, which skips the band's copy, was faster on one test VM and slower on another; see
+docs/benchmarks.md). Destination buffers are 64-byte aligned (`aligned_empty`): the kernel's
 copy into a 16-byte-aligned numpy buffer runs at a third of the speed on some x86 CPUs. Arrays
 with other codecs and object stores go through tensorstore (restore.leaf_reader.read_boxes).
 
@@ -32,10 +31,8 @@ Called by restore worker threads, on every process, for the boxes that process n
 from __future__ import annotations
 
 import math
-import mmap
 import os
 import stat
-import threading
 
 import numpy as np
 
@@ -64,13 +61,12 @@ def aligned_empty(shape, dtype) -> np.ndarray:
     return raw[off:off + n].view(dtype).reshape(shape)
 
 
-def read_boxes(root: str, rec: dict, boxes: list, outs: list, where: str, mapped: bool = False) -> None:
+def read_boxes(root: str, rec: dict, boxes: list, outs: list, where: str) -> None:
     """Fill each ``outs[k]`` (shape of ``boxes[k]``, storage dtype, C order) from the chunk files of
     array directory `root`. Each chunk any box touches is read once: straight into its box's
-    buffer when it lies whole and contiguous inside one box; else, with `mapped` (the files are
-    in memory: `LocalStore.in_memory`), from a mapping of the file, or band by band (`BAND_BYTES`
-    of its leading rows at a time) into a small buffer from which every box it meets takes its
-    part while the band is still in cache. Raises CorruptCheckpointError naming `where` for a
+    buffer when it lies whole and contiguous inside one box; else band by band (`BAND_BYTES` of its
+    leading rows at a time) into a small buffer from which every box it meets takes its part
+    while the band is still in cache. Raises CorruptCheckpointError naming `where` for a
     missing, short or damaged chunk, and for one whose CRC is not the one ``rec["cc"]`` records
     (an intact chunk file of another save: see `check_recorded`)."""
     shape, chunks = rec["sh"], rec["ch"]
@@ -101,8 +97,6 @@ def read_boxes(root: str, rec: dict, boxes: list, outs: list, where: str, mapped
         if not chunks:   # 0-d, as one row
             parts = [(v.reshape(1), (slice(0, 1),)) for v, _ in parts]
         nrows = chunks[0] if chunks else 1
-        if mapped and _read_mapped(path, (nrows,) + tuple(chunks[1:]), dtype, parts, where, want):
-            continue
         if band is None:
             rows = min(nrows, max(1, BAND_BYTES * nrows // chunk_bytes))   # never more than a chunk
             band = aligned_empty((rows,) + tuple(chunks[1:]), dtype)
@@ -185,58 +179,6 @@ def _read_whole(path: str, dest: np.ndarray, where: str, want: int | None = None
     finally:
         os.close(fd)
     _check(fmt.crc32c(dest), tail, path, where, want)
-
-
-def _read_mapped(path: str, shape: tuple, dtype, parts: list, where: str, want: int | None = None) -> bool:
-    """One chunk of `shape` from a read-only mapping of its file: its CRC checked on the mapping,
-    then every (view, chunk slices) of `parts` copied out of it (on tmpfs the mapping is the
-    stored bytes: one copy per byte, as `_read_whole`, against two through a band buffer: 1.3x
-    -> 1.0x of the same-mesh restore for the bench's 2x4 reshard). The caller discards its
-    buffers on an error. Returns False, having read nothing, where the file cannot be mapped.
-    A file truncated while mapped kills the process (SIGBUS): only a process that truncates
-    another's committed chunk files can do that (ckpt_callbacks never truncates one)."""
-    nbytes = math.prod(shape) * dtype.itemsize
-    fd = _open(path, nbytes, where)
-    try:
-        # populated at once: every byte is read (the CRC), and one call maps the cached pages
-        # that page faults would map 16 at a time (one device from 4x2 on tmpfs: median restore
-        # 0.28 s against 0.30-0.34 s, and fewer slow ones)
-        m = mmap.mmap(fd, nbytes + 4, mmap.MAP_SHARED | _POPULATE, mmap.PROT_READ)
-    except (OSError, ValueError):   # a file system that cannot map files
-        return False
-    finally:
-        os.close(fd)
-    try:
-        crc, tail = _copy_out(m, nbytes, shape, dtype, parts)
-    finally:
-        try:
-            m.close()
-        except BufferError:   # a view still alive in a traceback: closed when it goes
-            pass
-    with _mapped_lock:
-        _mapped[0] += nbytes + 4
-    _check(crc, tail, path, where, want)
-    return True
-
-
-_POPULATE = getattr(mmap, "MAP_POPULATE", 0)   # Linux; elsewhere pages are mapped as they are read
-_mapped = [0]   # bytes of chunk files read from mappings in this process (`bytes_mapped`)
-_mapped_lock = threading.Lock()
-
-
-def bytes_mapped() -> int:
-    """Bytes of chunk files (data and CRC) this process has read from mappings so far: reads that
-    ``read(2)`` counters (``rchar``) do not see. `ckpt-callbacks bench` adds them to its own."""
-    return _mapped[0]
-
-
-def _copy_out(m: mmap.mmap, nbytes: int, shape: tuple, dtype, parts: list) -> tuple[int, bytearray]:
-    raw = np.frombuffer(m, np.uint8, nbytes)
-    chunk = raw.view(dtype).reshape(shape)
-    crc = fmt.crc32c(raw)
-    for view, sl in parts:
-        view[...] = chunk[sl]
-    return crc, bytearray(m[nbytes:nbytes + 4])
 
 
 def _read_banded(path: str, band: np.ndarray, parts: list, nrows: int, where: str, want: int | None = None) -> None:

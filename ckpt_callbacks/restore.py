@@ -220,8 +220,7 @@ class leaf_reader:
         # allocated only once the stored chunks are known to hold the declared shape
         outs = [chunkread.aligned_empty(layout.box_shape(b), fmt.storage_dtype(rec["dt"])) for b in boxes]
         if self.store.local and chunkread.direct(arr):
-            chunkread.read_boxes(self.store.path(f"{self.base}/{rec['z']}"), rec, boxes, outs, where,
-                                 mapped=self.store.in_memory)
+            chunkread.read_boxes(self.store.path(f"{self.base}/{rec['z']}"), rec, boxes, outs, where)
         else:
             # the chunks' CRCs, in flight while the data is read (one more request per chunk)
             crcs = self._read_crcs(arr, rec, [idx for b in boxes for idx in layout.chunks_of(b, rec["ch"])])

@@ -61,7 +61,7 @@ class Store:
     url: str
     local: bool
     direct_io: bool = False   # chunk files may bypass the page cache (``O_DIRECT``; LocalStore on disk)
-    in_memory: bool = False   # chunk files live in memory (tmpfs): written through, mapped to restore, never fsynced
+    in_memory: bool = False   # chunk files live in memory (tmpfs): written through, never fsynced
 
     def kvstore(self, rel: str) -> dict:
         raise NotImplementedError

@@ -108,7 +108,7 @@ def verify_step(store, step: int, progress=None, window: int = 16) -> list[tuple
                 for idx, sl in _chunks(rec["sh"], rec["ch"]):
                     box = tuple((x.start, x.stop) for x in sl)
                     out = chunkread.aligned_empty(tuple(b - a for a, b in box), dtype)
-                    chunkread.read_boxes(root, rec, [box], [out], where, mapped=store.in_memory)
+                    chunkread.read_boxes(root, rec, [box], [out], where)
                     if progress:
                         progress.add(out.size * itemsize, where)
                 continue

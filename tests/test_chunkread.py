@@ -1,10 +1,8 @@
 """Direct reads of whole local zarr3 chunks: byte-identical to tensorstore's reads, strict about damage."""
 
 import itertools
-import mmap
 import os
 import shutil
-import sys
 
 import numpy as np
 import pytest
@@ -123,34 +121,25 @@ def test_storage_dtype_of_exotic_dtypes_reads_bit_exactly(tmp_path):
 
 @pytest.mark.parametrize("rows,cols", [([0, 24, 64], [0, 20, 48]), ([0, 32, 64], [0, 8, 16, 24, 32, 40, 48]),
                                        ([0, 64], [0, 48]), ([0, 1, 63, 64], [0, 47, 48])])
-@pytest.mark.parametrize("mapped", [False, True], ids=["read", "mapped"])
-def test_boxes_that_cut_chunks_read_each_chunk_once(tmp_path, rows, cols, mapped):
-    """Counted as the bench counts (read(2)'s ``rchar`` plus the chunk bytes read from mappings)."""
+def test_boxes_that_cut_chunks_read_each_chunk_once(tmp_path, rows, cols):
+    """Counted as the bench counts (read(2)'s ``rchar``)."""
     from helpers import bytes_read
     root, rec, x, _ = write(tmp_path, (64, 48), (16, 16), "float32")
     boxes = [((r0, r1), (c0, c1)) for r0, r1 in zip(rows, rows[1:]) for c0, c1 in zip(cols, cols[1:])]
     outs = [aligned_empty((r1 - r0, c1 - c0), np.float32) for (r0, r1), (c0, c1) in boxes]
-    before, mapped_before = bytes_read(), chunkread.bytes_mapped()
-    chunkread.read_boxes(root, rec, boxes, outs, "['x']", mapped=mapped)
+    before = bytes_read()
+    chunkread.read_boxes(root, rec, boxes, outs, "['x']")
     got = bytes_read() - before
     assert 12 * (16 * 16 * 4 + 4) <= got < 12 * (16 * 16 * 4 + 4) + 512, got   # 4 x 3 chunks, each once
-    if mapped:   # no case here has every chunk whole and contiguous in one box
-        assert 0 < chunkread.bytes_mapped() - mapped_before <= got
     for ((r0, r1), (c0, c1)), out in zip(boxes, outs):
         np.testing.assert_array_equal(out, x[r0:r1, c0:c1])
 
 
-@pytest.fixture(params=[1, 192, 1 << 20, "mapped"], ids=["band=1row", "band=192B", "band=1MiB", "mapped"])
+@pytest.fixture(params=[1, 192, 1 << 20], ids=["band=1row", "band=192B", "band=1MiB"])
 def shared(request, monkeypatch):
     """How shared chunks are read (`read_boxes`' keyword arguments): in bands of BAND_BYTES (one
     row, a few rows that do not divide the chunk: 3 rows of a 16-row float32 chunk of 16
-    columns, or the whole chunk at once), or from a mapping of the file (memory file systems),
-    then never through a band."""
-    if request.param == "mapped":
-        def no_band(*a, **k):
-            raise AssertionError("a mapped read went through a band")
-        monkeypatch.setattr(chunkread, "_read_banded", no_band)
-        return {"mapped": True}
+    columns, or the whole chunk at once)."""
     monkeypatch.setattr(chunkread, "BAND_BYTES", request.param)
     return {}
 
@@ -201,9 +190,8 @@ def test_damage_in_a_chunk_shared_by_boxes_is_refused(tmp_path, byte, shared):
     assert e.value.key_path == "['params']['w']"
 
 
-@pytest.mark.parametrize("mapped", [False, True], ids=["band", "mapped"])
 @pytest.mark.parametrize("damage", ["truncate", "grow", "delete"])
-def test_shared_chunk_with_a_wrong_size_or_missing_is_refused(tmp_path, damage, mapped):
+def test_shared_chunk_with_a_wrong_size_or_missing_is_refused(tmp_path, damage):
     root, rec, x, _ = write(tmp_path, (64, 48), (16, 16), "float32")
     path = _chunk(root, 0, 0)
     if damage == "delete":
@@ -213,35 +201,4 @@ def test_shared_chunk_with_a_wrong_size_or_missing_is_refused(tmp_path, damage, 
         open(path, "wb").write(data[:-8] if damage == "truncate" else data + b"\0")
     out = aligned_empty((8, 8), np.float32)
     with pytest.raises(CorruptCheckpointError, match=r"\['w'\]"):
-        chunkread.read_boxes(root, rec, [((4, 12), (4, 12))], [out], "['w']", mapped=mapped)
-
-
-def test_a_file_that_cannot_be_mapped_is_read_through_a_band(tmp_path, monkeypatch):
-    """`mapped` is a preference: where the file system refuses to map a file (ENODEV), the
-    chunk is read band by band instead, with the same result."""
-    root, rec, x, _ = write(tmp_path, (64, 48), (16, 16), "float32")
-    calls = []
-
-    def refuse(*a, **k):
-        calls.append(a)
-        raise OSError(19, "No such device")
-    monkeypatch.setattr(chunkread.mmap, "mmap", refuse)
-    boxes = [((0, 64), (0, 24)), ((0, 64), (24, 48))]   # no chunk is contiguous in its box
-    outs = [aligned_empty((64, 24), np.float32) for _ in boxes]
-    chunkread.read_boxes(root, rec, boxes, outs, "['x']", mapped=True)
-    assert len(calls) == 12   # every chunk (4 x 3) was offered to mmap, then read through a band
-    np.testing.assert_array_equal(np.concatenate(outs, axis=1), x)
-
-
-def test_a_mapped_chunk_is_populated_at_once_where_the_platform_can(tmp_path, monkeypatch):
-    """Every byte of a mapped chunk is read (its CRC), so the mapping asks for all its pages at
-    once (``MAP_POPULATE``, Linux) instead of a page fault per few pages."""
-    root, rec, x, _ = write(tmp_path, (64, 48), (16, 16), "float32")
-    real, flags = chunkread.mmap.mmap, []
-    monkeypatch.setattr(chunkread.mmap, "mmap", lambda fd, n, f, prot: (flags.append(f), real(fd, n, f, prot))[1])
-    out = aligned_empty((64, 24), np.float32)
-    chunkread.read_boxes(root, rec, [((0, 64), (0, 24))], [out], "['x']", mapped=True)
-    np.testing.assert_array_equal(out, x[:, :24])
-    assert len(flags) == 8 and all(f & mmap.MAP_SHARED for f in flags)   # 4 x 2 chunks, none contiguous
-    if sys.platform.startswith("linux"):
-        assert all(f & mmap.MAP_POPULATE for f in flags)
+        chunkread.read_boxes(root, rec, [((4, 12), (4, 12))], [out], "['w']")
