@@ -50,14 +50,15 @@ def direct(arr) -> bool:
             and arr.chunk_layout.inner_order in (None, tuple(range(arr.rank))))
 
 
-def aligned_empty(shape, dtype) -> np.ndarray:
-    """An uninitialised 64-byte-aligned host buffer: a CPU device adopts it without a copy, and
-    the kernel copies file data into it ~3x faster than into numpy's own 16-byte-aligned buffers
-    (``preadv`` from tmpfs on this project's AMD EPYC test machine; see docs/benchmarks.md)."""
+def aligned_empty(shape, dtype, align: int = 64) -> np.ndarray:
+    """An uninitialised host buffer aligned to `align` bytes (64 by default: a CPU device adopts it
+    without a copy, and the kernel copies file data into it ~3x faster than into numpy's own
+    16-byte-aligned buffers: ``preadv`` from tmpfs on this project's AMD EPYC test machine; see
+    docs/benchmarks.md). numpy's allocation, `align` bytes more, sliced."""
     dtype = np.dtype(dtype)
     n = math.prod(shape) * dtype.itemsize
-    raw = np.empty(n + 64, np.uint8)
-    off = -raw.ctypes.data % 64
+    raw = np.empty(n + align, np.uint8)
+    off = -raw.ctypes.data % align
     return raw[off:off + n].view(dtype).reshape(shape)
 
 

@@ -42,7 +42,7 @@ import jax
 import numpy as np
 
 from . import format as fmt
-from . import layout, treepath
+from . import chunkread, layout, treepath
 from .coordination import Coordinator, SingleProcess
 from .errors import InvalidTreeError
 
@@ -171,9 +171,7 @@ def _host_empty(nbytes: int) -> np.ndarray:
         return np.empty(nbytes, np.uint8)
     libc = _libc()
     if libc is None:   # no posix_memalign (e.g. Windows): numpy's, page-aligned by hand
-        raw = np.empty(nbytes + mmap.PAGESIZE, np.uint8)
-        off = -raw.ctypes.data % mmap.PAGESIZE
-        return raw[off:off + nbytes]
+        return chunkread.aligned_empty((nbytes,), np.uint8, mmap.PAGESIZE)
     return np.asarray(_Aligned(nbytes, libc))
 
 

@@ -137,11 +137,9 @@ def test_boxes_that_cut_chunks_read_each_chunk_once(tmp_path, rows, cols):
 
 @pytest.fixture(params=[1, 192, 1 << 20], ids=["band=1row", "band=192B", "band=1MiB"])
 def shared(request, monkeypatch):
-    """How shared chunks are read (`read_boxes`' keyword arguments): in bands of BAND_BYTES (one
-    row, a few rows that do not divide the chunk: 3 rows of a 16-row float32 chunk of 16
-    columns, or the whole chunk at once)."""
+    """How shared chunks are read: in bands of BAND_BYTES (one row, a few rows that do not divide
+    the chunk: 3 rows of a 16-row float32 chunk of 16 columns, or the whole chunk at once)."""
     monkeypatch.setattr(chunkread, "BAND_BYTES", request.param)
-    return {}
 
 
 @pytest.mark.parametrize("shape,chunks,dtype", [((64, 48), (16, 16), "float32"), ((50, 30), (16, 16), "float64"),
@@ -155,7 +153,7 @@ def test_chunks_split_between_boxes_match_tensorstore(tmp_path, shape, chunks, d
     boxes = list(itertools.product(*[list(zip(cs, cs[1:])) for cs in cuts]))
     boxes.append(tuple((n // 3, n) for n in shape))   # overlaps the others
     outs = [aligned_empty(tuple(b - a for a, b in box), np.dtype(dtype)) for box in boxes]
-    chunkread.read_boxes(root, rec, boxes, outs, "['x']", **shared)
+    chunkread.read_boxes(root, rec, boxes, outs, "['x']")
     for box, out in zip(boxes, outs):
         assert out.tobytes() == x[tuple(slice(a, b) for a, b in box)].tobytes(), box
 
@@ -164,7 +162,7 @@ def test_chunks_split_between_boxes_match_tensorstore(tmp_path, shape, chunks, d
 def test_a_box_listed_twice_gets_the_whole_chunk_both_times(tmp_path, shape, chunks, box, shared):
     root, rec, x, _ = write(tmp_path, shape, chunks, "int16")
     outs = [aligned_empty(layout.box_shape(box), np.int16) for _ in range(2)]
-    chunkread.read_boxes(root, rec, [box, box], outs, "['x']", **shared)
+    chunkread.read_boxes(root, rec, [box, box], outs, "['x']")
     for out in outs:
         np.testing.assert_array_equal(out, x[tuple(slice(a, b) for a, b in box)])
 
@@ -173,6 +171,8 @@ def test_buffers_are_64_byte_aligned():
     for shape, dtype in [((3,), np.uint8), ((5, 7), np.float64), ((), np.int32), ((1 << 20,), np.float32)]:
         out = aligned_empty(shape, dtype)
         assert out.ctypes.data % 64 == 0 and out.shape == shape and out.dtype == dtype and out.flags.c_contiguous
+    out = aligned_empty((3, 5000), np.uint8, 4096)   # any alignment asked for
+    assert out.ctypes.data % 4096 == 0 and out.shape == (3, 5000) and out.flags.c_contiguous
 
 
 @pytest.mark.parametrize("byte", [0, 700, 1023])   # first, middle and last byte of the chunk's data
@@ -186,7 +186,7 @@ def test_damage_in_a_chunk_shared_by_boxes_is_refused(tmp_path, byte, shared):
     outs = [aligned_empty((8, 16), np.float32), aligned_empty((8, 8), np.float32),
             aligned_empty((8, 8), np.float32)]
     with pytest.raises(CorruptCheckpointError, match="checksum mismatch") as e:
-        chunkread.read_boxes(root, rec, boxes, outs, "['params']['w']", **shared)
+        chunkread.read_boxes(root, rec, boxes, outs, "['params']['w']")
     assert e.value.key_path == "['params']['w']"
 
 

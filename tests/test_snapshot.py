@@ -94,6 +94,13 @@ def test_a_pool_buffer_comes_from_the_heap_page_aligned_from_64_kib(nbytes):
     assert gone() is None                                        # and the last one frees it
 
 
+def test_without_posix_memalign_a_pool_buffer_is_numpys_page_aligned(monkeypatch):
+    monkeypatch.setattr(snapshot, "_libc", lambda: None)   # e.g. Windows
+    buf = snapshot._host_empty(1 << 20)
+    assert buf.nbytes == 1 << 20 and buf.ctypes.data % mmap.PAGESIZE == 0 and buf.flags.writeable
+    assert not isinstance(buf.base, snapshot._Aligned)
+
+
 def test_clear_in_the_background_empties_the_pool_at_once_and_frees_the_buffers_soon():
     import gc
     import time
