@@ -41,7 +41,7 @@ import numpy as np
 from . import format as fmt
 from . import layout
 
-__all__ = ["pieces", "file_bytes", "write_chunk", "chunk_crcs"]
+__all__ = ["pieces", "file_bytes", "write_chunk", "write_parts", "chunk_crcs"]
 
 DIRECT_ALIGN = 4096   # O_DIRECT: buffer address, file offset and length in whole blocks of this size
 
@@ -94,22 +94,72 @@ def write_chunk(path: str, view: np.ndarray, sync: bool = True, claim=None, dire
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         off, refused = _write_direct_blocks(fd, raw, flat.ctypes.data) if direct else (0, False)
-        bufs = [b for b in (raw[off:], memoryview(crc)) if len(b)]
-        while bufs:   # pwritev may write less than asked: go on from where it stopped
-            n = os.pwritev(fd, bufs, off)
-            if not n:
-                raise OSError(errno.EIO, f"writing {path} made no progress")
-            off += n
-            while n:
-                k = min(n, len(bufs[0]))
-                bufs[0], n = bufs[0][k:], n - k
-                if not len(bufs[0]):
-                    bufs.pop(0)
+        _pwrite_all(fd, [raw[off:], memoryview(crc)], off, path)
         if sync:
             os.fsync(fd)   # an error here aborts the save: never retried
     finally:
         os.close(fd)
     return value, not refused
+
+
+def write_parts(path: str, parts: list, window: np.ndarray, direct: bool = True) -> bool:
+    """Create the file at `path` (and its directory) holding the buffers `parts` one after
+    another (a blob of packed leaves: `format.pack_bins`), not fsynced. They are copied through
+    `window`, a page-aligned uint8 buffer a whole number of `DIRECT_ALIGN` blocks long; with
+    `direct` each full window goes to the device with ``O_DIRECT``, the last one's whole blocks
+    too, and only its last partial block through the page cache. Returns False when the file
+    system refused direct I/O (what was left went through the page cache).
+
+    Why a window: a blob's pieces (msgpack heads, paddings, leaves) start anywhere, and
+    ``O_DIRECT`` wants block-aligned memory and offsets. Through the page cache every blob file
+    would fill new cache pages (on the test VM, whose host takes freed memory back, a small-tree
+    save's first 0.25 GiB of blobs cost ~1 s of system time there) and dirty them for the fsync
+    to write back; the copy into a window that the writer keeps from save to save costs less.
+    Called on the writer's chunk pool (`writing._consume`), one window per call."""
+    if len(window) % DIRECT_ALIGN or window.ctypes.data % DIRECT_ALIGN:
+        raise ValueError("the window must be page-aligned and a whole number of blocks long")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    _unlink(path)   # a file there (a reused staging directory) may be hard-linked elsewhere
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    win, fill, off, refused = memoryview(window), 0, 0, False
+
+    def put():   # the window's `fill` bytes to offset `off` (a multiple of the window's length)
+        nonlocal refused
+        done, no = _write_direct_blocks(fd, win[:fill], window.ctypes.data, off) if direct and not refused else (0, False)
+        refused = refused or no
+        _pwrite_all(fd, [win[done:fill]], off + done, path)
+
+    try:
+        for part in parts:
+            src = memoryview(part).cast("B")
+            while len(src):
+                k = min(len(src), len(win) - fill)
+                win[fill:fill + k] = src[:k]
+                fill, src = fill + k, src[k:]
+                if fill == len(win):
+                    put()
+                    off, fill = off + fill, 0
+        if fill:
+            put()
+    finally:
+        os.close(fd)
+    return not refused
+
+
+def _pwrite_all(fd: int, bufs: list, off: int, path: str) -> None:
+    """Write the buffers `bufs` one after another at offset `off` of `fd`, all of them (pwritev
+    may write less than asked: it goes on from where it stopped)."""
+    bufs = [b for b in bufs if len(b)]
+    while bufs:
+        n = os.pwritev(fd, bufs, off)
+        if not n:
+            raise OSError(errno.EIO, f"writing {path} made no progress")
+        off += n
+        while n:
+            k = min(n, len(bufs[0]))
+            bufs[0], n = bufs[0][k:], n - k
+            if not len(bufs[0]):
+                bufs.pop(0)
 
 
 def chunk_crcs(rec: dict, box, data: np.ndarray) -> list[int]:
@@ -156,11 +206,11 @@ def _zeros_crc(n: int, crc: int) -> int:
     return crc
 
 
-def _write_direct_blocks(fd: int, raw: memoryview, address: int) -> tuple[int, bool]:
-    """Write the leading whole `DIRECT_ALIGN` blocks of `raw` (at `address` in memory) to offset 0
-    of `fd` with ``O_DIRECT`` when `address` is block-aligned; return how many bytes were written
-    (0 where the buffer is not aligned) and whether the file system refused direct I/O. The
-    caller writes the rest through the page cache.
+def _write_direct_blocks(fd: int, raw: memoryview, address: int, base: int = 0) -> tuple[int, bool]:
+    """Write the leading whole `DIRECT_ALIGN` blocks of `raw` (at `address` in memory) to offset
+    `base` (a multiple of DIRECT_ALIGN) of `fd` with ``O_DIRECT`` when `address` is block-aligned;
+    return how many bytes were written (0 where the buffer is not aligned) and whether the file
+    system refused direct I/O. The caller writes the rest through the page cache.
 
     Why: a page-aligned `snapshot.HostPool` buffer goes from memory to the device without
     filling new page-cache pages, which on a VM whose host takes back freed memory cost ~8x the
@@ -179,7 +229,7 @@ def _write_direct_blocks(fd: int, raw: memoryview, address: int) -> tuple[int, b
     off, refused = 0, False
     try:
         while off < body:
-            n = os.pwrite(fd, raw[off:body], off)
+            n = os.pwrite(fd, raw[off:body], base + off)
             off += n
             if not n or n % DIRECT_ALIGN:   # a short write off the block grid: the rest goes buffered
                 break

@@ -47,7 +47,7 @@ from .coordination import Coordinator, SingleProcess
 from .errors import InvalidTreeError
 
 __all__ = ["plan", "copy", "Snapshot", "ByteBudget", "HostPool", "PACK_MAX_BYTES",
-           "CHUNK_MAX_BYTES", "EAGER_COPY_MAX_BYTES"]
+           "CHUNK_MAX_BYTES", "EAGER_COPY_MAX_BYTES", "host_empty"]
 
 PACK_MAX_BYTES = 1 << 20      # leaves up to this size are packed into msgpack blobs
 CHUNK_MAX_BYTES = 64 << 20    # zarr chunks are capped at this size
@@ -114,7 +114,7 @@ class HostPool:
     freshly allocated memory, on the step's critical path: 32 MiB of weights cost that step
     ~20 ms on this project's 2-vCPU test machine, against ~3.5 ms for copying them at once into
     warm buffers. Above `max_bytes` (or a save's `ByteBudget` limit) views are kept, so the caller
-    is never blocked for long. Buffers come from the C heap, page-aligned from 64 KiB (`_host_empty`).
+    is never blocked for long. Buffers come from the C heap, page-aligned from 64 KiB (`host_empty`).
 
     Who calls what: `CheckpointManager` owns one. `copy` takes buffers on the caller's thread;
     the manager calls `recycle` after joining the previous save's writer (nothing reads its
@@ -130,7 +130,7 @@ class HostPool:
         """A C-contiguous copy of `src` in one of the pool's buffers."""
         src = np.asarray(src)
         free = self._free.get(src.nbytes)
-        buf = free.pop() if free else _host_empty(src.nbytes)
+        buf = free.pop() if free else host_empty(src.nbytes)
         self._lent.append(buf)
         dst = buf.view(src.dtype).reshape(src.shape)
         np.copyto(dst, src)
@@ -152,7 +152,7 @@ class HostPool:
             threading.Thread(target=bufs.clear, name="ckpt_callbacks-free", daemon=True).start()
 
 
-def _host_empty(nbytes: int) -> np.ndarray:
+def host_empty(nbytes: int) -> np.ndarray:
     """A pool buffer from the C heap; from 64 KiB on page-aligned (``posix_memalign``), so that
     `chunkwrite` may send it to a disk with O_DIRECT.
 

@@ -173,6 +173,21 @@ class Store:
         pass
 
 
+def submit(pool, fn, *args) -> concurrent.futures.Future:
+    """``pool.submit(fn, *args)``, or where the pool takes no more tasks (at interpreter exit
+    `concurrent.futures` stops every pool, while a non-daemon thread may still be saving; or no
+    thread can be started) `fn` run on this thread, its outcome in a done future."""
+    try:
+        return pool.submit(fn, *args)
+    except RuntimeError:
+        f = concurrent.futures.Future()
+        try:
+            f.set_result(fn(*args))
+        except BaseException as e:  # noqa: BLE001 - the future's holder re-raises it
+            f.set_exception(e)
+        return f
+
+
 def _each(fn, items: list, pool=None) -> None:
     """`fn` on every item: on `pool`'s threads (or, without one, on threads started for the call)
     when there are several, for calls that wait on the device and release the GIL; on this
@@ -187,17 +202,7 @@ def _each(fn, items: list, pool=None) -> None:
     try:
         if pool is None:
             pool = own = concurrent.futures.ThreadPoolExecutor(max_workers=min(16, len(items)))
-        futures = []
-        for x in items:
-            try:
-                futures.append(pool.submit(fn, x))
-            except RuntimeError:   # shutting down: no new threads
-                f = concurrent.futures.Future()
-                try:
-                    f.set_result(fn(x))
-                except BaseException as e:  # noqa: BLE001 - raised below, in item order
-                    f.set_exception(e)
-                futures.append(f)
+        futures = [submit(pool, fn, x) for x in items]
         concurrent.futures.wait(futures)
         for f in futures:
             f.result()

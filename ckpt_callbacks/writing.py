@@ -28,6 +28,7 @@ Who calls what, in order, on which process (every process runs this function for
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import functools
 import json
@@ -42,10 +43,12 @@ from . import format as fmt
 from . import chunkwrite, layout
 from .coordination import CoordinationTimeoutError, Coordinator, SingleProcess
 from .errors import CheckpointSaveError
-from .snapshot import BLOB_MAX_BYTES, ByteBudget, Snapshot
-from .storage import Store
+from .snapshot import BLOB_MAX_BYTES, ByteBudget, Snapshot, host_empty
+from .storage import Store, submit
 
 __all__ = ["SaveStats", "Workers", "WriteThrough", "write_and_commit", "zarr_spec"]
+
+WINDOW_BYTES = 4 << 20   # a blob goes to a disk through a page-aligned window of this size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -320,14 +323,32 @@ def _open_arrays(arrays: _Arrays, coord, timeout_s, barrier_name) -> None:
 
 
 class Workers:
-    """The writer's thread pools (local stores): `chunks` writes chunk files, `fsync` makes them
-    durable. `CheckpointManager` keeps one from save to save (a save would otherwise start and
-    end about ten threads) and closes it in its own `close`; `write_and_commit` called without
-    one starts one for the call. Tasks on these pools never wait for other tasks of them."""
+    """The writer's thread pools (local stores): `chunks` writes chunk files and blobs, `fsync`
+    makes them durable; and the page-aligned windows through which blobs go to a disk
+    (`window`, at most one per chunk thread, kept from save to save). `CheckpointManager` keeps
+    one from save to save (a save would otherwise start and end about ten threads) and closes it
+    in its own `close`; `write_and_commit` called without one starts one for the call. Tasks on
+    these pools never wait for other tasks of them."""
 
     def __init__(self):
         self.chunks = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="ckpt-chunk")
         self.fsync = concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="ckpt-fsync")
+        self._windows: list = []
+        self._lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def window(self):
+        """A `WINDOW_BYTES` page-aligned buffer for `chunkwrite.write_parts`, the caller's until
+        the block ends (then kept for the next caller)."""
+        with self._lock:
+            win = self._windows.pop() if self._windows else None
+        if win is None:
+            win = host_empty(WINDOW_BYTES)
+        try:
+            yield win
+        finally:
+            with self._lock:
+                self._windows.append(win)
 
     def close(self) -> None:
         self.chunks.shutdown(wait=True)
@@ -342,7 +363,7 @@ class _EarlySync:
     def __init__(self, store: Store, pool):
         self.store, self.pool, self.done = store, pool, set()
         self.futures: list = []
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()   # re-entered where the pool runs `_sync` on this thread (at exit)
         self.closed = False
 
     def _sync(self, rel: str) -> None:
@@ -357,7 +378,7 @@ class _EarlySync:
             if self.store.in_memory:
                 self.done.update(rels)
             elif not self.closed:
-                self.futures += [self.pool.submit(self._sync, r) for r in rels]
+                self.futures += [submit(self.pool, self._sync, r) for r in rels]
 
     def after(self, rels: list):
         """A done-callback for the write future of the box whose chunk files are `rels`."""
@@ -375,6 +396,14 @@ class _EarlySync:
         for f in self.futures:
             f.result()
         return self.done
+
+
+def _write_blob(store: Store, rel: str, parts: list, workers: Workers) -> None:
+    """Write a blob file (`format.pack_bins`'s buffers) on a disk, through one of the writer's
+    windows (fsynced later, by the writer)."""
+    with workers.window() as win:
+        if not chunkwrite.write_parts(store.path(rel), parts, win, direct=store.direct_io):
+            store.direct_io = False   # this file system refused O_DIRECT: not asked again
 
 
 def _chunk_files(staging: str, rec: dict, box, data: np.ndarray) -> tuple[list, list] | None:
@@ -436,7 +465,7 @@ class WriteThrough:
             return None
         # In memory (tmpfs) fresh files too: their pages are filled once, here, where a copy
         # would fill a pool buffer first and new file pages later, in the background, anyway.
-        return self.pool.submit(_write_chunk_files, self.store, rels, views, claimed)
+        return submit(self.pool, _write_chunk_files, self.store, rels, views, claimed)
 
 
 def _consume(store, staging, snap, items, arrays, budget, workers):
@@ -459,11 +488,20 @@ def _consume(store, staging, snap, items, arrays, budget, workers):
             return
         rel = f"blobs/p{snap.process_index}-{nblob}.msgpack"
         parts, index = fmt.pack_bins(blob, align=fmt.BLOB_ALIGN)
-        store.write(f"{staging}/{rel}", parts, sync=False)   # store.sync(mine) makes it durable
+        if chunk_pool and store.direct_io:
+            # on a disk: by O_DIRECT through a window, on a chunk thread (the writer goes on
+            # meanwhile), fsynced early as chunk files are
+            fut = submit(chunk_pool, _write_blob, store, f"{staging}/{rel}", parts, workers)
+            fut.add_done_callback(early.after([f"{staging}/{rel}"]))
+            if budget:
+                fut.add_done_callback(released(blob_bytes))
+            futures.append(fut)
+        else:
+            store.write(f"{staging}/{rel}", parts, sync=False)   # store.sync(mine) makes it durable
+            if budget:
+                budget.release(blob_bytes)
         for j, (leaf, crc) in zip(index, blob_leaves):
             packed_info[leaf] = [rel, j, crc]
-        if budget:
-            budget.release(blob_bytes)
         written += blob_bytes
         files += 1
         mine.add(rel)
@@ -509,7 +547,7 @@ def _consume(store, staging, snap, items, arrays, budget, workers):
             todo = _chunk_files(staging, rec, w.box, data) if chunk_pool else None
             if todo is not None:
                 rels, views = todo
-                fut = chunk_pool.submit(_write_chunk_files, store, rels, views)
+                fut = submit(chunk_pool, _write_chunk_files, store, rels, views)
                 crcs.append((w.leaf, w.box, fut))
             else:
                 rels = [f"{staging}/{rec['z']}/{fmt.chunk_key(idx)}"

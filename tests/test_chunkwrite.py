@@ -299,3 +299,75 @@ def test_a_failed_direct_write_fails_the_chunk(direct_dir, monkeypatch):
     monkeypatch.setattr(os, "pwrite", full)
     with pytest.raises(OSError, match="No space"):
         chunkwrite.write_chunk(str(direct_dir / "c" / "0"), x, direct=True)
+
+
+def blob_parts(seed: int, sizes) -> list:
+    """Buffers as `format.pack_bins` hands them over: bytes and views of arrays, of any size."""
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, n, np.uint8).tobytes() if k % 2 else memoryview(rng.integers(0, 256, n, np.uint8))
+            for k, n in enumerate(sizes)]
+
+
+def window(blocks: int) -> np.ndarray:
+    return page_aligned(np.zeros(blocks * chunkwrite.DIRECT_ALIGN, np.uint8))
+
+
+@pytest.mark.parametrize("sizes", [[3, 0, 5000, 70_000, 1, 4093, 20_000],   # several windows, then a tail
+                                   [4096 * 3, 4096 * 3],                      # whole windows only
+                                   [100, 0, 7],                               # under one block
+                                   []])                                       # an empty file
+def test_blob_parts_go_to_the_device_through_a_window(direct_dir, monkeypatch, sizes):
+    parts = blob_parts(1, sizes)
+    total = sum(sizes)
+    win = window(3)
+    seen = spy_direct(monkeypatch)
+    path = str(direct_dir / "blobs" / "p0-0.msgpack")
+    assert chunkwrite.write_parts(path, parts, win) is True
+    span, blocks = len(win), total - total % chunkwrite.DIRECT_ALIGN
+    # every full window, and the last one's whole blocks, by O_DIRECT at the window's offset;
+    # only the last partial block through the page cache
+    expected = [("pwrite", off, min(span, blocks - off), True) for off in range(0, blocks, span)]
+    if total % chunkwrite.DIRECT_ALIGN:
+        expected.append(("pwritev", blocks, total - blocks, False))
+    assert seen == expected
+    if blocks and storage.LocalStore(str(direct_dir)).direct_io:   # a disk: only the tail's page was cached
+        assert resident_pages(path) <= 1
+    assert open(path, "rb").read() == b"".join(bytes(p) for p in parts)
+
+
+def test_blob_parts_without_direct_io_or_refused_go_through_the_page_cache(direct_dir, monkeypatch):
+    parts = blob_parts(2, [5000, 30_000, 11])
+    seen = spy_direct(monkeypatch)
+    assert chunkwrite.write_parts(str(direct_dir / "a"), parts, window(2), direct=False) is True
+    assert not any(w[3] for w in seen) and [w[0] for w in seen] == ["pwritev"] * 5   # one per window
+    real_fcntl = fcntl.fcntl
+
+    def no_direct_flag(fd, cmd, arg=0):
+        if cmd == fcntl.F_SETFL and arg & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_fcntl(fd, cmd, arg)
+
+    monkeypatch.setattr(chunkwrite.fcntl, "fcntl", no_direct_flag)
+    assert chunkwrite.write_parts(str(direct_dir / "b"), parts, window(2)) is False   # the caller stops asking
+    for name in "ab":
+        assert open(direct_dir / name, "rb").read() == b"".join(bytes(p) for p in parts)
+
+
+def test_a_blob_replaces_a_file_hard_linked_elsewhere_and_refuses_a_misaligned_window(direct_dir):
+    path, backup = direct_dir / "blob", direct_dir / "backup"
+    path.write_bytes(b"old" * 5000)
+    os.link(path, backup)
+    chunkwrite.write_parts(str(path), blob_parts(3, [9000]), window(1))
+    assert backup.read_bytes() == b"old" * 5000 and path.read_bytes() == bytes(blob_parts(3, [9000])[0])
+    for bad in (page_aligned(np.zeros(4096 + 512, np.uint8)), np.frombuffer(window(2).data, np.uint8)[64:64 + 4096]):
+        with pytest.raises(ValueError, match="page-aligned"):
+            chunkwrite.write_parts(str(path), [b"x"], bad)
+
+
+def test_a_failed_blob_write_fails_it(direct_dir, monkeypatch):
+    def full(fd, data, off):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "pwrite", full)
+    with pytest.raises(OSError, match="No space"):
+        chunkwrite.write_parts(str(direct_dir / "blob"), blob_parts(4, [20_000]), window(2))

@@ -597,17 +597,20 @@ def test_a_manager_left_open_finishes_its_save_in_flight_at_exit_and_says_so(ckd
         np.testing.assert_array_equal(m.restore(2)["w"], np.full(300_000, 2.0))
 
 
-def test_at_exit_a_manager_a_live_thread_saves_through_is_left_to_that_thread(ckdir):
+@pytest.mark.parametrize("size", [1000, 300_000], ids=["a blob", "a chunk file"])
+def test_at_exit_a_manager_a_live_thread_saves_through_is_left_to_that_thread(ckdir, size):
     """The main thread's save in flight at exit, a non-daemon worker already inside `save`: the
     exit hook judged the manager by the main thread's save and closed it under the worker, whose
-    next save failed ("closed")."""
+    next save failed ("closed"). The worker's saves write on the caller's thread what the writer's
+    pools, stopped by `concurrent.futures` at exit, no longer take ("cannot schedule new futures
+    after interpreter shutdown" failed such a save of a chunk file before)."""
     code = (_SLOW_WRITES +
             "m = cc.CheckpointManager(sys.argv[1])\n"
             "m.save(1, {'w': np.full(1000, 1.0)})   # in flight when the main thread ends\n"
             "def worker():\n"
             "    time.sleep(0.2)\n"
             "    for s in (2, 3, 4):\n"
-            "        m.save(s, {'w': np.full(1000, float(s))})\n"
+            f"        m.save(s, {{'w': np.full({size}, float(s))}})\n"
             "    m.close()\n"
             "    print('worker closed', flush=True)\n"
             "threading.Thread(target=worker).start()\n"
@@ -615,7 +618,9 @@ def test_at_exit_a_manager_a_live_thread_saves_through_is_left_to_that_thread(ck
     r = _python("-c", code, ckdir)
     assert r.returncode == 0 and "worker closed" in r.stdout, r.stdout + r.stderr
     assert "was not closed" not in r.stderr, r.stderr
-    assert cc.CheckpointManager(ckdir, read_only=True).all_steps() == [1, 2, 3, 4]
+    with cc.CheckpointManager(ckdir, read_only=True) as m:
+        assert m.all_steps() == [1, 2, 3, 4]
+        np.testing.assert_array_equal(m.restore(4)["w"], np.full(size, 4.0))
 
 
 def test_a_forked_child_leaves_its_parents_managers_alone_at_exit(ckdir):

@@ -73,7 +73,7 @@ def test_a_pool_buffer_comes_from_the_heap_page_aligned_from_64_kib(nbytes):
     ``posix_memalign`` rather than numpy (which asks for huge pages from 4 MiB, and under the
     kernel's default defrag mode a fault there may first compact memory)."""
     import weakref
-    buf = snapshot._host_empty(nbytes)
+    buf = snapshot.host_empty(nbytes)
     assert buf.nbytes == nbytes and buf.flags.writeable and buf.flags.c_contiguous
     owner = buf
     while isinstance(owner.base, np.ndarray):
@@ -96,7 +96,7 @@ def test_a_pool_buffer_comes_from_the_heap_page_aligned_from_64_kib(nbytes):
 
 def test_without_posix_memalign_a_pool_buffer_is_numpys_page_aligned(monkeypatch):
     monkeypatch.setattr(snapshot, "_libc", lambda: None)   # e.g. Windows
-    buf = snapshot._host_empty(1 << 20)
+    buf = snapshot.host_empty(1 << 20)
     assert buf.nbytes == 1 << 20 and buf.ctypes.data % mmap.PAGESIZE == 0 and buf.flags.writeable
     assert not isinstance(buf.base, snapshot._Aligned)
 

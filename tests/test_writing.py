@@ -15,7 +15,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import ckpt_callbacks as cc
-from ckpt_callbacks import storage
+from ckpt_callbacks import chunkwrite, storage
 from helpers import assert_tree_equal, skip_without_direct_io
 
 
@@ -396,7 +396,43 @@ def test_device_copy_path_is_donation_safe_and_streams_under_a_budget(ckdir, dev
     test_budget_smaller_than_one_sharded_leaf_streams_without_deadlock(ckdir + "-b")
 
 
-def test_a_failing_blob_write_under_a_budget_fails_the_save_instead_of_hanging(ckdir, monkeypatch):
+def test_blobs_go_to_a_disk_through_windows_kept_from_save_to_save_and_restore_exactly(ckdir, monkeypatch):
+    """On a disk each blob of packed leaves is written on a chunk thread through one of the
+    writer's page-aligned windows (at most one per chunk thread, kept for later saves), by
+    O_DIRECT; every step restores exactly and verifies."""
+    skip_without_direct_io(ckdir)
+    import ckpt_callbacks.writing as writing_mod
+    from ckpt_callbacks.verify import verify_step
+    monkeypatch.setattr(writing_mod, "BLOB_MAX_BYTES", 300 << 10)   # several blobs per save
+    monkeypatch.setattr(writing_mod, "WINDOW_BYTES", 64 << 10)      # several windows per blob
+    calls, real = [], chunkwrite.write_parts
+
+    def spy(path, parts, window, direct=True):
+        calls.append((threading.current_thread().name, window.ctypes.data, direct))
+        return real(path, parts, window, direct)
+
+    monkeypatch.setattr(chunkwrite, "write_parts", spy)
+    rng = np.random.default_rng(0)
+    sizes = rng.integers(1, 40_000, 60)
+    trees = {}
+    with cc.CheckpointManager(ckdir, retention=cc.KeepLast(2)) as m:
+        m.store.direct_io = True   # as LocalStore decides on a disk
+        for step in range(1, 5):
+            trees[step] = {f"leaf{i}": rng.integers(0, 255, n, np.uint8) if i % 3 else rng.standard_normal(n // 4 + 1)
+                           for i, n in enumerate(sizes)} | {"n": step}
+            m.save(step, trees[step])
+        m.wait_until_finished()
+        for step in m.all_steps():
+            assert_tree_equal(m.restore(step), trees[step])
+            assert verify_step(m.store, step) == []
+            blobs = glob.glob(os.path.join(ckdir, f"step_{step:010d}", "blobs", "*"))
+            assert len(blobs) >= 4 and sum(map(os.path.getsize, blobs)) > int(sizes.sum())
+    assert len(calls) >= 4 * 4 and all(name.startswith("ckpt-chunk") and direct for name, _, direct in calls)
+    assert len({addr for _, addr, _ in calls}) <= 4   # one window per chunk thread at most, reused
+
+
+@pytest.mark.parametrize("direct_io", [False, True], ids=["page cache", "O_DIRECT window"])
+def test_a_failing_blob_write_under_a_budget_fails_the_save_instead_of_hanging(ckdir, monkeypatch, direct_io):
     import ckpt_callbacks.writing as writing_mod
     monkeypatch.setattr(writing_mod, "BLOB_MAX_BYTES", 1000)
 
@@ -406,8 +442,17 @@ def test_a_failing_blob_write_under_a_budget_fails_the_save_instead_of_hanging(c
                 raise OSError(28, "No space left on device (injected)")
             return super().write(rel, data, sync)
 
+    real_parts = chunkwrite.write_parts
+
+    def parts_fail(path, parts, window, direct=True):   # on a disk blobs go by O_DIRECT, on a chunk thread
+        if "/blobs/" in path:
+            raise OSError(28, "No space left on device (injected)")
+        return real_parts(path, parts, window, direct)
+
+    monkeypatch.setattr(chunkwrite, "write_parts", parts_fail)
     m = cc.CheckpointManager(ckdir, max_staging_bytes=(2 << 20) + 100)
     m.store = BlobFails(ckdir)
+    m.store.direct_io = direct_io   # as LocalStore decides from the file system
     tree = {f"s{i}": np.full(75, i, np.float32) for i in range(4)}
     tree["big"] = np.ones((512, 1024), np.float32)
     done = threading.Event()
