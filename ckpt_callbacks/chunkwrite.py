@@ -115,7 +115,7 @@ def write_parts(path: str, parts: list, window: np.ndarray, direct: bool = True)
     would fill new cache pages (on the test VM, whose host takes freed memory back, a small-tree
     save's first 0.25 GiB of blobs cost ~1 s of system time there) and dirty them for the fsync
     to write back; the copy into a window that the writer keeps from save to save costs less.
-    Called on the writer's chunk pool (`writing._consume`), one window per call."""
+    Called on the writer's chunk pool (`writing._write_blob`), one window per call."""
     if len(window) % DIRECT_ALIGN or window.ctypes.data % DIRECT_ALIGN:
         raise ValueError("the window must be page-aligned and a whole number of blocks long")
     os.makedirs(os.path.dirname(path), exist_ok=True)

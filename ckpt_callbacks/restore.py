@@ -38,7 +38,7 @@ from . import format as fmt
 from . import chunkread, layout, treepath
 from .errors import (CheckpointNotFoundError, CorruptCheckpointError, IncompatibleCheckpointError,
                      StorageUnavailableError, read_failure)
-from .storage import Store
+from .storage import Store, submit
 
 log = logging.getLogger("ckpt_callbacks")
 
@@ -499,7 +499,8 @@ def _map(fn, items: list) -> list:
             return fn(x)
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=min(8, len(items))) as pool:
-        return list(pool.map(as_caller, items))
+        # (`submit`: on this thread once interpreter exit has stopped the pools)
+        return [f.result() for f in [submit(pool, as_caller, x) for x in items]]
 
 
 def _restore_leaf(reader: leaf_reader, rec: dict, t):

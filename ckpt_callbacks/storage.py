@@ -174,12 +174,16 @@ class Store:
 
 
 def submit(pool, fn, *args) -> concurrent.futures.Future:
-    """``pool.submit(fn, *args)``, or where the pool takes no more tasks (at interpreter exit
-    `concurrent.futures` stops every pool, while a non-daemon thread may still be saving; or no
-    thread can be started) `fn` run on this thread, its outcome in a done future."""
+    """``pool.submit(fn, *args)``, or where the pool refuses the task before queueing it (at
+    interpreter exit `concurrent.futures` stops every pool, while a non-daemon thread may still
+    be saving or restoring) `fn` run on this thread, its outcome in a done future. Any other
+    failure is raised: a pool that could not start a thread has queued the task already, and
+    running it here as well would run it twice."""
     try:
         return pool.submit(fn, *args)
-    except RuntimeError:
+    except RuntimeError as e:
+        if not str(e).startswith("cannot schedule new futures"):
+            raise
         f = concurrent.futures.Future()
         try:
             f.set_result(fn(*args))
@@ -191,7 +195,8 @@ def submit(pool, fn, *args) -> concurrent.futures.Future:
 def _each(fn, items: list, pool=None) -> None:
     """`fn` on every item: on `pool`'s threads (or, without one, on threads started for the call)
     when there are several, for calls that wait on the device and release the GIL; on this
-    thread where no thread can be started (interpreter shutdown, e.g. `close()` from `atexit`).
+    thread where the pool takes no more tasks (interpreter shutdown, e.g. `close()` from
+    `atexit`: `submit`).
     Returns once all have run; then re-raises the first failure (in item order). Never call it on
     a thread of `pool`."""
     if len(items) < 2:

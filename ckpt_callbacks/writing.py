@@ -358,9 +358,10 @@ class Workers:
 
 
 class _EarlySync:
-    """fsync each box's chunk files as soon as they are written (local stores only), on the
-    `fsync` pool, so the device flushes early leaves while later ones are still being written;
-    the final `store.sync` then skips what is done. Errors re-raise from `close` (the save fails)."""
+    """fsync each box's chunk files, and on a disk each blob, as soon as they are written (local
+    stores only), on the `fsync` pool, so the device flushes early leaves while later ones are
+    still being written; the final `store.sync` then skips what is done. Errors re-raise from
+    `close` (the save fails)."""
 
     def __init__(self, store: Store, pool):
         self.store, self.pool, self.done = store, pool, set()
@@ -402,7 +403,7 @@ class _EarlySync:
 
 def _write_blob(store: Store, rel: str, parts: list, workers: Workers) -> None:
     """Write a blob file (`format.pack_bins`'s buffers) on a disk, through one of the writer's
-    windows (fsynced later, by the writer)."""
+    windows; not fsynced here (`_EarlySync` does, once the write has succeeded)."""
     with workers.window() as win:
         if not chunkwrite.write_parts(store.path(rel), parts, win, direct=store.direct_io):
             store.direct_io = False   # this file system refused O_DIRECT: not asked again

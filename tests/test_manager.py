@@ -603,14 +603,17 @@ def test_at_exit_a_manager_a_live_thread_saves_through_is_left_to_that_thread(ck
     exit hook judged the manager by the main thread's save and closed it under the worker, whose
     next save failed ("closed"). The worker's saves write on the caller's thread what the writer's
     pools, stopped by `concurrent.futures` at exit, no longer take ("cannot schedule new futures
-    after interpreter shutdown" failed such a save of a chunk file before)."""
+    after interpreter shutdown" failed such a save of a chunk file before, and a restore of
+    several leaves)."""
     code = (_SLOW_WRITES +
             "m = cc.CheckpointManager(sys.argv[1])\n"
             "m.save(1, {'w': np.full(1000, 1.0)})   # in flight when the main thread ends\n"
             "def worker():\n"
             "    time.sleep(0.2)\n"
             "    for s in (2, 3, 4):\n"
-            f"        m.save(s, {{'w': np.full({size}, float(s))}})\n"
+            f"        m.save(s, {{'w': np.full({size}, float(s)), 'v': np.arange(s)}})\n"
+            "    m.wait_until_finished()\n"
+            f"    assert (m.restore(4)['w'] == np.full({size}, 4.0)).all()   # restores there too\n"
             "    m.close()\n"
             "    print('worker closed', flush=True)\n"
             "threading.Thread(target=worker).start()\n"

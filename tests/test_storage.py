@@ -584,3 +584,28 @@ def test_deleting_a_step_never_leaves_its_replaced_copy_to_be_put_back(tmp_path,
     store.delete(1)
     assert store.recoverable() == {} and store.committed_steps() == []
     assert store.recover() == [] and store.committed_steps() == []
+
+
+def test_submit_runs_a_refused_task_here_and_never_a_queued_one_twice(monkeypatch):
+    """`storage.submit`: a pool that refuses the task before queueing it (shut down, as every pool
+    is at interpreter exit) -> the task runs on the caller's thread; a pool that queued it and
+    then could not start a thread -> the error is raised and the task is not run here too."""
+    ran = []
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+    pool.shutdown()
+    fut = storage.submit(pool, lambda x: ran.append((x, threading.current_thread().name)) or x * 2, 21)
+    assert fut.done() and fut.result() == 42 and ran == [(21, threading.current_thread().name)]
+    failing = storage.submit(pool, lambda: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        failing.result()
+
+    ran.clear()
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+
+    def no_thread(self):
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(threading.Thread, "start", no_thread)
+    with pytest.raises(RuntimeError, match="can't start new thread"):
+        storage.submit(pool, ran.append, 1)
+    assert ran == []   # queued in the pool, not run here as well
