@@ -125,8 +125,9 @@ def write_parts(path: str, parts: list, window: np.ndarray, direct: bool = True)
 
     def put():   # the window's `fill` bytes to offset `off` (a multiple of the window's length)
         nonlocal refused
-        done, no = _write_direct_blocks(fd, win[:fill], window.ctypes.data, off) if direct and not refused else (0, False)
-        refused = refused or no
+        done = 0
+        if direct and not refused:
+            done, refused = _write_direct_blocks(fd, win[:fill], window.ctypes.data, off)
         _pwrite_all(fd, [win[done:fill]], off + done, path)
 
     try:
