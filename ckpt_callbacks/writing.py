@@ -494,11 +494,8 @@ def _consume(store, staging, snap, items, arrays, budget, workers):
         if chunk_pool and store.direct_io:
             # on a disk: by O_DIRECT through a window, on a chunk thread (the writer goes on
             # meanwhile), fsynced early as chunk files are
-            fut = submit(chunk_pool, _write_blob, store, f"{staging}/{rel}", parts, workers)
-            fut.add_done_callback(early.after([f"{staging}/{rel}"]))
-            if budget:
-                fut.add_done_callback(released(blob_bytes))
-            futures.append(fut)
+            pending(submit(chunk_pool, _write_blob, store, f"{staging}/{rel}", parts, workers),
+                    [f"{staging}/{rel}"], blob_bytes)
         else:
             store.write(f"{staging}/{rel}", parts, sync=False)   # store.sync(mine) makes it durable
             if budget:
@@ -511,8 +508,14 @@ def _consume(store, staging, snap, items, arrays, budget, workers):
         nblob += 1
         blob, blob_leaves, blob_bytes = [], [], 0
 
-    def released(n):
-        return lambda _f: budget.release(n)
+    def pending(fut, rels, nbytes):
+        """A write in flight: its files `rels` fsynced once it lands (local stores), its `nbytes`
+        given back to the budget, and waited for before the commit."""
+        if early:
+            fut.add_done_callback(early.after(rels))
+        if budget:
+            fut.add_done_callback(lambda _f: budget.release(nbytes))
+        futures.append(fut)
 
     try:
         while True:
@@ -562,11 +565,7 @@ def _consume(store, staging, snap, items, arrays, budget, workers):
                 # the chunks as tensorstore stores them (here, while it writes: `data` may be a
                 # pooled buffer that is released once the write lands)
                 crcs.append((w.leaf, w.box, chunkwrite.chunk_crcs(rec, w.box, data)))
-            if early:
-                fut.add_done_callback(early.after(rels))
-            if budget:
-                fut.add_done_callback(released(w.nbytes))
-            futures.append(fut)
+            pending(fut, rels, w.nbytes)
             written += w.nbytes
             if early:   # local stores: the very files (`store.sync` then walks no directory)
                 mine.update(r[len(staging) + 1:] for r in rels)
