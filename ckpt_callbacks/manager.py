@@ -469,6 +469,17 @@ class CheckpointManager:
             finally:
                 self.store.drop_reusable(self._workers and self._workers.fsync)
 
+    def _own_save_first(self) -> None:
+        """Before a read: wait for this manager's save in flight, which then has committed (or
+        failed: its failure is raised here, as `wait_until_finished` raises it). Without this a
+        restore right after ``save(s, tree)`` did not find step `s` (the background write had not
+        committed it yet); Orbax's async restore waits likewise. Listing (`all_steps`,
+        `latest_step`) stays committed-only and never waits."""
+        # (read unlocked: None means no save of ours in flight now; a forked child has no writer)
+        if self._thread is not None and os.getpid() == self._pid:
+            with self._turn:
+                self._wait()
+
     def _check_process(self, reading: bool = False) -> None:
         """A forked child's copy of a writing manager has no writer threads (a save would hang) and
         must not touch what its parent writes; and tensorstore, once the parent has used it, aborts
@@ -532,8 +543,12 @@ class CheckpointManager:
         A step deleted while it is read (a writer elsewhere saving on with `KeepLast`, say) raises
         `CheckpointNotFoundError`; with ``step=None`` in one process the steps are listed again
         and the new latest is read instead (a few times at most).
+
+        This manager's own save in flight is waited for first (`_own_save_first`), so ``save(s,
+        tree)`` then ``restore(s)`` (or ``restore()``) reads step `s`.
         """
         self._check_process(reading=True)
+        self._own_save_first()
         for attempt in range(3):
             try:
                 return self._restore(step, target, fallback)
@@ -660,7 +675,9 @@ class CheckpointManager:
         you say which state this process takes: ``process_index=`` (read that saved process's
         state), ``remap={this_process: saved_process, ...}``, or ``remap=fn`` called as
         ``fn(saved: dict[int, state], process_index, process_count) -> state``.
+        This manager's own save in flight is waited for first, as by `restore`.
         """
+        self._own_save_first()
         step = self._resolve(step)
         try:
             return self._host_state(step, process_index, remap)

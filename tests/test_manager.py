@@ -39,6 +39,36 @@ def test_interval_and_force(ckdir):
         assert saved == [5, 10] and m.all_steps() == [5, 10, 13] and m.latest_step() == 13
 
 
+def test_a_restore_right_after_a_save_waits_for_that_save_and_reads_it(ckdir, monkeypatch):
+    """save() returns after the snapshot; a restore (or host_state) right after it, through the
+    same manager, waits for the save in flight: it read "step 1 is not a committed checkpoint
+    (committed: [])" before. Listing stays committed-only and does not wait. A failure of the
+    save in flight is raised by that restore (once: close() then has nothing to raise)."""
+    import ckpt_callbacks.manager as mm
+    real = mm.write_and_commit
+    monkeypatch.setattr(mm, "write_and_commit", lambda *a, **k: (time.sleep(0.5), real(*a, **k))[1])
+    m = cc.CheckpointManager(ckdir)
+    assert m.save(1, tree(1), host_state={"pos": 1})
+    assert m.all_steps() == [] and m.latest_step() is None   # still in flight
+    got = m.restore(1)
+    assert got["step"] == 1 and np.array_equal(got["x"], np.full(4, 1, np.float32))
+    m.save(2, tree(2), host_state={"pos": 2})
+    assert m.restore()["step"] == 2                            # the latest: the one just saved
+    m.save(3, tree(3), host_state={"pos": 3})
+    assert m.host_state(3) == {"pos": 3}
+    assert m.all_steps() == [1, 2, 3]
+
+    def fail(*a, **k):
+        time.sleep(0.3)
+        raise OSError(28, "No space left on device (simulated)")
+    monkeypatch.setattr(mm, "write_and_commit", fail)
+    m.save(4, tree(4))
+    with pytest.raises(OSError, match="No space left"):
+        m.restore()
+    assert m.restore()["step"] == 3 and m.all_steps() == [1, 2, 3]   # nothing already saved is lost
+    m.close()
+
+
 def test_an_outage_while_reading_metrics_skips_retention_instead_of_deleting_the_best(ckdir, monkeypatch, caplog):
     from ckpt_callbacks import restore as restore_mod
     policy = cc.KeepBest("loss", "min", 1)
