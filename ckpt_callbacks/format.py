@@ -245,12 +245,18 @@ def unpack_manifest(data: bytes, where: str = "manifest") -> dict:
         raise CorruptCheckpointError(f"{where} is not valid msgpack ({type(e).__name__}: {e})") from None
     if not isinstance(outer, dict) or outer.get("magic") != MAGIC:
         raise CorruptCheckpointError(f"{where} is not a ckpt_callbacks manifest")
-    if outer.get("version") != FORMAT_VERSION:
-        raise IncompatibleCheckpointError(
-            f"{where} has format version {outer.get('version')!r}; this version of ckpt_callbacks reads "
-            f"version {FORMAT_VERSION}. Upgrade ckpt_callbacks to read it.")
     body = outer.get("body")
-    if not isinstance(body, bytes) or crc32c(body) != outer.get("crc32c"):
+    intact = isinstance(body, bytes) and crc32c(body) == outer.get("crc32c")
+    if outer.get("version") != FORMAT_VERSION:
+        # The outer version lies outside the checksum: a flipped bit there is damage, not a newer
+        # format. Only a checksummed body that names the same version makes it one.
+        if intact and _body_version(body) == outer.get("version"):
+            raise IncompatibleCheckpointError(
+                f"{where} has format version {outer.get('version')!r}; this version of ckpt_callbacks "
+                f"reads version {FORMAT_VERSION}. Upgrade ckpt_callbacks to read it.")
+        raise CorruptCheckpointError(f"{where}: format version {outer.get('version')!r} is not the one its "
+                                     f"checksummed body records (the manifest is damaged)")
+    if not intact:
         raise CorruptCheckpointError(f"{where}: checksum mismatch (the manifest is damaged)")
     try:
         m = _unpack(body)
@@ -260,6 +266,15 @@ def unpack_manifest(data: bytes, where: str = "manifest") -> dict:
     except Exception as e:
         raise CorruptCheckpointError(f"{where} is malformed: {type(e).__name__}: {e}") from None
     return m
+
+
+def _body_version(body: bytes):
+    """The format version a manifest body records, or None where it cannot be read."""
+    try:
+        m = _unpack(body)
+    except Exception:  # noqa: BLE001 - any garbage: no version
+        return None
+    return m.get("version") if isinstance(m, dict) else None
 
 
 def _validate(m: dict) -> None:

@@ -425,11 +425,40 @@ def test_missing_checkpoint_and_unknown_version(ckdir, tmp_path):
     import msgpack
     save(ckdir, {"a": 1})
     man = os.path.join(ckdir, "step_0000000001", "manifest.msgpack")
-    outer = msgpack.unpackb(open(man, "rb").read())
-    outer["version"] = 99
+    good = open(man, "rb").read()
+    outer = msgpack.unpackb(good)
+    outer["version"] = 0   # a flipped bit in the version, which lies outside the checksum: damage
+    open(man, "wb").write(msgpack.packb(outer))
+    with pytest.raises(cc.CorruptCheckpointError, match="format version 0 is not the one its checksummed body"):
+        cc.CheckpointManager(ckdir, read_only=True).restore()
+    # a newer format: its checksummed body says so too
+    from ckpt_callbacks import format as fmt
+    body = msgpack.unpackb(outer["body"])
+    body["version"] = 99
+    outer["body"] = msgpack.packb(body)
+    outer["version"], outer["crc32c"] = 99, fmt.crc32c(outer["body"])
     open(man, "wb").write(msgpack.packb(outer))
     with pytest.raises(cc.IncompatibleCheckpointError, match="format version 99"):
         cc.CheckpointManager(ckdir, read_only=True).restore()
+
+
+def test_a_damaged_format_version_is_damage_that_fallback_skips(ckdir):
+    """The manifest's outer format version is not checksummed: a bit flipped there (1 -> 0) raised
+    IncompatibleCheckpointError ("Upgrade ckpt_callbacks"), which fallback=True did not skip."""
+    import msgpack
+    with cc.CheckpointManager(ckdir) as m:
+        m.save(1, {"a": np.ones(3)})
+        m.save(2, {"a": np.full(3, 2.0)})
+    man = os.path.join(ckdir, "step_0000000002", "manifest.msgpack")
+    outer = msgpack.unpackb(open(man, "rb").read())
+    outer["version"] = 0
+    open(man, "wb").write(msgpack.packb(outer))
+    m = cc.CheckpointManager(ckdir, read_only=True)
+    with pytest.raises(cc.CorruptCheckpointError):
+        m.restore()
+    got = m.restore(fallback=True)
+    assert m.restored_step == 1 and np.array_equal(got["a"], np.ones(3))
+    assert m.all_steps() == [1, 2]   # the damaged step stays listed
 
 
 def test_unsupported_leaf_names_key_path(ckdir):
