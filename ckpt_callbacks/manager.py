@@ -193,6 +193,7 @@ class CheckpointManager:
         self._info_tokens: dict = {}   # step -> its `_local_token` when its info was read (see `_step_infos`)
         self._damaged: dict[int, str] = {}   # committed steps whose manifest could not be read: why
         self.restored_step: int | None = None   # the step the last restore() read
+        self._warned_below = False   # `_warn_below` said it once
         self._thread: threading.Thread | None = None
         self._pool = snapshot.HostPool()   # warm buffers for the copies of host-side leaves
         self._workers: Workers | None = None   # the writer's threads, started at the first save
@@ -341,6 +342,20 @@ class CheckpointManager:
             self._wait()
         return True
 
+    def _warn_below(self, step: int, steps: list) -> None:
+        """(Process 0, once per manager.) A save below the directory's latest committed step, e.g. a
+        new run started in an old run's directory without restoring: retention ranks steps by
+        number, so `KeepLast` deletes such a step right after it commits, and a later restore
+        reads the old run's latest. Said, not refused: the save goes on."""
+        if self._warned_below or not steps or step > steps[-1] or step in steps:
+            return
+        self._warned_below = True
+        log.warning("ckpt_callbacks: saving step %d below the latest committed step %d in %s (an earlier "
+                    "run's?): retention ranks steps by number, so a KeepLast policy deletes this step and "
+                    "the ones after it as soon as they commit, and restore() reads step %d. To continue "
+                    "that run, restore() first and save the steps after it; for a new run, use a new "
+                    "directory.", step, steps[-1], self.store.url, steps[-1])
+
     def _agree_to_save(self, step: int, metrics: dict, refused: Exception | None) -> tuple[str, bool, dict]:
         """(the save's token, whether `step` is committed, the metrics to record), the same on every
         process: with several processes, each listing for itself could answer differently (an
@@ -356,7 +371,9 @@ class CheckpointManager:
         mine, error = [step, why, metrics if refused is None else {}, None, False, None], None
         if pi == 0:
             try:
-                mine[3:5] = [os.urandom(6).hex(), step in self.all_steps()]
+                steps = self.all_steps()
+                mine[3:5] = [os.urandom(6).hex(), step in steps]
+                self._warn_below(step, steps)
             except Exception as e:  # noqa: BLE001 - told to the others, then raised everywhere
                 error = e
                 mine[5] = f"{type(e).__name__}: {self.store.redact(str(e))}"

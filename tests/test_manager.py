@@ -69,6 +69,27 @@ def test_a_restore_right_after_a_save_waits_for_that_save_and_reads_it(ckdir, mo
     m.close()
 
 
+def test_saving_below_an_earlier_runs_latest_step_is_said_once(ckdir, caplog):
+    """A new run in an old run's directory, without restoring: each of its steps is below the
+    latest committed one, so KeepLast deleted it as soon as it committed, with not a word."""
+    with cc.CheckpointManager(ckdir) as m:
+        for s in (8, 9, 10):
+            m.save(s, tree(s))
+    with caplog.at_level(logging.WARNING, "ckpt_callbacks"):
+        with cc.CheckpointManager(ckdir, retention=cc.KeepLast(3)) as m:
+            assert all(m.save(s, tree(s)) for s in (1, 2, 3))
+            m.wait_until_finished()
+            assert m.all_steps() == [8, 9, 10]   # what the policy says: the newest three
+    said = [r.getMessage() for r in caplog.records if "below the latest committed step" in r.getMessage()]
+    assert len(said) == 1 and "saving step 1 below the latest committed step 10" in said[0]
+    assert "restore() first" in said[0]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, "ckpt_callbacks"):
+        with cc.CheckpointManager(ckdir, retention=cc.KeepLast(3)) as m:
+            m.save(11, tree(11))                 # continuing: nothing to say
+    assert "below the latest" not in caplog.text
+
+
 def test_an_outage_while_reading_metrics_skips_retention_instead_of_deleting_the_best(ckdir, monkeypatch, caplog):
     from ckpt_callbacks import restore as restore_mod
     policy = cc.KeepBest("loss", "min", 1)
