@@ -277,7 +277,7 @@ class CheckpointManager:
         self._wait()
         self._caller = threading.current_thread()
         self._pool.recycle()   # the previous save's writer is joined: its copies are free again
-        token, committed, metrics = self._agree_to_save(step, metrics, refused)
+        token, committed, metrics = self._agree_to_save(step, metrics, refused, replace)
         if committed and not replace:
             if not quiet:
                 log.warning("ckpt_callbacks: step %d is already committed in %s; not saving it again "
@@ -346,17 +346,20 @@ class CheckpointManager:
         """(Process 0, once per manager.) A save below the directory's latest committed step, e.g. a
         new run started in an old run's directory without restoring: retention ranks steps by
         number, so `KeepLast` deletes such a step right after it commits, and a later restore
-        reads the old run's latest. Said, not refused: the save goes on."""
-        if self._warned_below or not steps or step > steps[-1] or step in steps:
+        reads the old run's latest; a step that run committed is not saved again (the Flax hook
+        skips it without a word). Said, not refused: the save goes on."""
+        if self._warned_below or not steps or step >= steps[-1]:
             return
         self._warned_below = True
         log.warning("ckpt_callbacks: saving step %d below the latest committed step %d in %s (an earlier "
-                    "run's?): retention ranks steps by number, so a KeepLast policy deletes this step and "
-                    "the ones after it as soon as they commit, and restore() reads step %d. To continue "
+                    "run's?): retention ranks steps by number, so a KeepLast policy deletes the steps saved "
+                    "below it as soon as they commit, a step committed already is not saved again, and "
+                    "restore() reads step %d. To continue "
                     "that run, restore() first and save the steps after it; for a new run, use a new "
                     "directory.", step, steps[-1], self.store.url, steps[-1])
 
-    def _agree_to_save(self, step: int, metrics: dict, refused: Exception | None) -> tuple[str, bool, dict]:
+    def _agree_to_save(self, step: int, metrics: dict, refused: Exception | None,
+                       replace: bool = False) -> tuple[str, bool, dict]:
         """(the save's token, whether `step` is committed, the metrics to record), the same on every
         process: with several processes, each listing for itself could answer differently (an
         outage on one) and leave their save counters apart for good. So do a call that only one
@@ -373,7 +376,8 @@ class CheckpointManager:
             try:
                 steps = self.all_steps()
                 mine[3:5] = [os.urandom(6).hex(), step in steps]
-                self._warn_below(step, steps)
+                if not replace:
+                    self._warn_below(step, steps)
             except Exception as e:  # noqa: BLE001 - told to the others, then raised everywhere
                 error = e
                 mine[5] = f"{type(e).__name__}: {self.store.redact(str(e))}"

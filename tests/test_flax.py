@@ -514,3 +514,19 @@ def test_restore_or_init_falls_back_past_a_damaged_latest_step_when_asked(ckdir)
     m = cc.CheckpointManager(ckdir, read_only=True)
     assert m.all_steps() == [1, 2, 3]
     assert_tree_equal(m.restore(2), _tree(2))
+
+
+def test_a_rerun_that_does_not_restore_is_told_that_it_saves_below_the_earlier_run(ckdir, caplog):
+    """A second run in the same directory without `restore_or_init`: its schedule reaches steps the
+    first run committed, which the hook skips without a word, and saves steps below the first
+    run's latest, which KeepLast deletes at once. The manager says so, once."""
+    with CheckpointHook(ckdir, every_steps=5, preemption_signals=()) as hook:
+        for step in range(1, 11):
+            hook(step, _tree(step))
+    with caplog.at_level("WARNING", "ckpt_callbacks"):
+        with CheckpointHook(ckdir, every_steps=5, preemption_signals=()) as hook:
+            assert [s for s in range(1, 13) if hook(s, _tree(s))] == []   # 5 and 10: committed already
+            assert hook.save(12, _tree(12)) is True
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and "step 5 below the latest committed step 10" in said[0], said
+    assert cc.CheckpointManager(ckdir, read_only=True).all_steps() == [5, 10, 12]
