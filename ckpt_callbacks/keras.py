@@ -401,8 +401,12 @@ class AsyncCheckpoint(keras.callbacks.Callback):
             policies.append(KeepLast(self.keep_last))
         if self.keep_best is not None:
             if mode is None:
+                known = sorted({n for c in getattr(self.model, "metrics", []) for m in getattr(c, "metrics", [c])
+                                if isinstance(n := getattr(m, "name", None), str)})
                 raise ConfigError(f"keep_best: cannot tell whether monitor={self.monitor!r} should be minimized "
-                                  f"or maximized. Fix: pass mode='min' or mode='max'.")
+                                  f"or maximized: mode='auto' knows losses and the model's compiled metrics "
+                                  f"({', '.join(known) or 'none yet'}; 'val_' + a name for validation). Fix: "
+                                  f"check the name's spelling, or pass mode='min' or mode='max'.")
             if self.initial_value_threshold is None:
                 policies.insert(0, KeepBest(self.monitor, mode, self.keep_best))
             else:
@@ -704,7 +708,8 @@ class AsyncCheckpoint(keras.callbacks.Callback):
             better = self.best is None or (current < self.best if self._mode == "min" else current > self.best)
             if better:
                 if self.verbose:
-                    print(f"\nAsyncCheckpoint: {self.monitor} improved from {self.best} to {current}", flush=True)
+                    was = (math.inf if self._mode == "min" else -math.inf) if self.best is None else self.best
+                    print(f"\nAsyncCheckpoint: {self.monitor} improved from {was:.5f} to {current:.5f}", flush=True)
                 self.best = current
         # Data of unknown length: Keras begins one more call after the last batch, before it finds
         # the data ended, and that call may have saved this very step mid-epoch (no metrics, the

@@ -7,6 +7,7 @@ unchanged and compare its final state bit for bit with a run that never had a ch
 import gc
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -924,3 +925,24 @@ def test_verbose_lines_start_lines_of_their_own_beside_keras_progress_bar(ckdir,
     ours = [ln for ln in lines if "AsyncCheckpoint:" in ln]
     assert len([ln for ln in ours if "saving step" in ln]) == 2
     assert all(ln.startswith("AsyncCheckpoint:") for ln in ours), ours
+
+
+def test_a_misspelt_monitor_is_told_with_the_models_metric_names_and_verbose_says_improved_like_keras(
+        ckdir, capsys):
+    """mode='auto' with a monitor it cannot place advised only mode='min'/'max' (which keeps the
+    typo); the verbose line said "improved from None to 0.7170161008834839"."""
+    x, y, val = _data()
+    keras.backend.clear_session()
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(2)])
+    model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"])
+    labels, vlabels = (y[:, 0] > 0).astype("int32"), (val[1][:, 0] > 0).astype("int32")
+    cb = AsyncCheckpoint(os.path.join(ckdir, "typo"), monitor="val_acuracy", keep_best=1)
+    with pytest.raises(cc.ConfigError, match=r"spelling.*|accuracy") as e:
+        model.fit(x, labels, batch_size=16, epochs=1, validation_data=(val[0], vlabels), verbose=0, callbacks=[cb])
+    assert "val_acuracy" in str(e.value) and "accuracy" in str(e.value).split("val_acuracy", 1)[1]
+    assert "spelling" in str(e.value)
+    cb = AsyncCheckpoint(os.path.join(ckdir, "ok"), monitor="val_loss", keep_best=1, verbose=1)
+    model.fit(x, labels, batch_size=16, epochs=1, validation_data=(val[0], vlabels), verbose=0, callbacks=[cb])
+    out = capsys.readouterr().out
+    assert re.search(r"AsyncCheckpoint: val_loss improved from inf to \d+\.\d{5}\n", out), out
