@@ -651,13 +651,19 @@ def test_steps_count_only_batches_run_when_steps_per_execution_overshoots_the_ep
     assert int(cc.CheckpointManager(ckdir, read_only=True).restore(20)["progress"]["global_step"]) == 20
 
 
-def test_a_retention_dict_keep_best_without_mode_follows_the_metric_direction(ckdir):
+def _classifier():
+    """A two-class model compiled with an accuracy metric, its data and labels:
+    (model, x, labels, (val x, val y), val labels)."""
     x, y, val = _data()
     keras.backend.clear_session()
     model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(2)])
     model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   metrics=["accuracy"])
-    labels, vlabels = (y[:, 0] > 0).astype("int32"), (val[1][:, 0] > 0).astype("int32")
+    return model, x, (y[:, 0] > 0).astype("int32"), val, (val[1][:, 0] > 0).astype("int32")
+
+
+def test_a_retention_dict_keep_best_without_mode_follows_the_metric_direction(ckdir):
+    model, x, labels, val, vlabels = _classifier()
     for metric, mode in [("val_accuracy", "max"), ("val_loss", "min")]:
         cb = AsyncCheckpoint(os.path.join(ckdir, metric), monitor="val_accuracy",
                              retention={"keep_last": 1, "keep_best": {"metric": metric}})
@@ -931,12 +937,7 @@ def test_a_misspelt_monitor_is_told_with_the_models_metric_names_and_verbose_say
         ckdir, capsys):
     """mode='auto' with a monitor it cannot place advised only mode='min'/'max' (which keeps the
     typo); the verbose line said "improved from None to 0.7170161008834839"."""
-    x, y, val = _data()
-    keras.backend.clear_session()
-    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(2)])
-    model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  metrics=["accuracy"])
-    labels, vlabels = (y[:, 0] > 0).astype("int32"), (val[1][:, 0] > 0).astype("int32")
+    model, x, labels, val, vlabels = _classifier()
     cb = AsyncCheckpoint(os.path.join(ckdir, "typo"), monitor="val_acuracy", keep_best=1)
     with pytest.raises(cc.ConfigError, match=r"spelling.*|accuracy") as e:
         model.fit(x, labels, batch_size=16, epochs=1, validation_data=(val[0], vlabels), verbose=0, callbacks=[cb])
