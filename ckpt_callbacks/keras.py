@@ -380,12 +380,16 @@ class AsyncCheckpoint(keras.callbacks.Callback):
         # a model with several outputs logs "<output>_<metric>" ("a_accuracy")
         names = {name} | {name[len(o) + 1:] for o in getattr(self.model, "output_names", None) or ()
                           if isinstance(o, str) and name.startswith(f"{o}_")}
-        directions = {m._direction for container in getattr(self.model, "metrics", [])
-                      for m in getattr(container, "metrics", [container])
+        directions = {m._direction for m in self._compiled_metrics()
                       if getattr(m, "name", None) in names and hasattr(m, "_direction")}
         if len(directions) == 1:
             return "max" if directions.pop() == "up" else "min"
         return None
+
+    def _compiled_metrics(self) -> list:
+        """The model's metric objects, those inside its compiled-metrics containers included."""
+        return [m for container in getattr(self.model, "metrics", [])
+                for m in getattr(container, "metrics", [container])]
 
     def _policies(self, mode: str | None):
         policies = list(self._base_policies or [])
@@ -401,8 +405,7 @@ class AsyncCheckpoint(keras.callbacks.Callback):
             policies.append(KeepLast(self.keep_last))
         if self.keep_best is not None:
             if mode is None:
-                known = sorted({n for c in getattr(self.model, "metrics", []) for m in getattr(c, "metrics", [c])
-                                if isinstance(n := getattr(m, "name", None), str)})
+                known = sorted({n for m in self._compiled_metrics() if isinstance(n := getattr(m, "name", None), str)})
                 raise ConfigError(f"keep_best: cannot tell whether monitor={self.monitor!r} should be minimized "
                                   f"or maximized: mode='auto' knows losses and the model's compiled metrics "
                                   f"({', '.join(known) or 'none yet'}; 'val_' + a name for validation). Fix: "

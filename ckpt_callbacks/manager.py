@@ -354,9 +354,8 @@ class CheckpointManager:
         log.warning("ckpt_callbacks: saving step %d below the latest committed step %d in %s (an earlier "
                     "run's?): retention ranks steps by number, so a KeepLast policy deletes the steps saved "
                     "below it as soon as they commit, a step committed already is not saved again, and "
-                    "restore() reads step %d. To continue "
-                    "that run, restore() first and save the steps after it; for a new run, use a new "
-                    "directory.", step, steps[-1], self.store.url, steps[-1])
+                    "restore() reads step %d. To continue that run, restore() first and save the steps "
+                    "after it; for a new run, use a new directory.", step, steps[-1], self.store.url, steps[-1])
 
     def _agree_to_save(self, step: int, metrics: dict, refused: Exception | None,
                        replace: bool = False) -> tuple[str, bool, dict]:
