@@ -43,7 +43,8 @@ class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
 class IncompatibleCheckpointError(CheckpointError, ValueError):
     """The checkpoint and the restore target disagree (structure, shape, dtype, format version).
 
-    `mismatches` lists `(key_path, in_checkpoint, in_target)` triples; the message names them all.
+    `mismatches` lists `(key_path, in_checkpoint, in_target)` triples; the message tells them all
+    (a container against a leaf, or keys of other kinds at one path, in one line).
     """
 
     def __init__(self, message: str, mismatches: list[tuple[str, str, str]] | None = None):

@@ -161,16 +161,69 @@ def match(saved_paths: list, target_paths: list) -> list[int]:
             missing.append(p)
         order.append(i)
     if missing or index:
+        missing = [tuple(map(tuple, p)) for p in missing]
+        extra = [tuple(map(tuple, saved_paths[i])) for i in sorted(index.values())]
         mismatches = [(keystr(p), "absent", "present") for p in missing]
-        mismatches += [(keystr(tuple(map(tuple, saved_paths[i]))), "present", "absent") for i in sorted(index.values())]
-        lines = "\n".join(f"  {k}: checkpoint has it: {'yes' if a == 'present' else 'no'}, target has it: {'yes' if b == 'present' else 'no'}"
-                          for k, a, b in mismatches[:50])
-        more = f"\n  ... and {len(mismatches) - 50} more" if len(mismatches) > 50 else ""
+        mismatches += [(keystr(p), "present", "absent") for p in extra]
+        lines = _mismatch_lines(missing, extra)
+        more = f"\n  ... and {len(lines) - 50} more" if len(lines) > 50 else ""
         raise IncompatibleCheckpointError(
             f"the restore target's structure differs from the checkpoint's at {len(mismatches)} key path(s):\n"
-            f"{lines}{more}\nFix: build the target with the same structure as the saved tree, "
-            f"or pass target=None to get the saved tree as host arrays.", mismatches)
+            + "\n".join(lines[:50]) + f"{more}\nFix: build the target with the same structure as the saved "
+            f"tree, or pass target=None to get the saved tree as host arrays.", mismatches)
     return order
+
+
+_KEY_KINDS = {"d": "a dict key", "i": "a list/tuple index", "a": "a field", "f": "a field"}
+
+
+def _mismatch_lines(missing: list, extra: list) -> list[str]:
+    """One line per difference between the target's leaf paths that the checkpoint lacks
+    (`missing`) and the checkpoint's that the target lacks (`extra`). Said as what it is where
+    that is plain: a leaf on one side where the other has a container (e.g. None in the target,
+    which stands in for one saved leaf, where a tuple was saved), and the same path under
+    different kinds of key (a dict with int keys where a list was saved: both print ``[0]``)."""
+    lines, told_missing, told_extra = [], set(), set()
+
+    def below_of(paths):   # every strict prefix of these paths -> the paths under it
+        out: dict = {}
+        for q in paths:
+            for n in range(len(q)):
+                out.setdefault(q[:n], []).append(q)
+        return out
+
+    extra_below, missing_below = below_of(extra), below_of(missing)
+    for p in missing:
+        below = extra_below.get(p)
+        if below:
+            told_missing.add(p)
+            told_extra.update(below)
+            lines.append(f"  {keystr(p)}: the checkpoint holds a container of {len(below)} leaves there, the "
+                         f"target a single leaf (a target leaf, None too, stands in for one saved leaf)")
+    for q in extra:
+        below = missing_below.get(q)
+        if below:
+            told_extra.add(q)
+            told_missing.update(below)
+            lines.append(f"  {keystr(q)}: the checkpoint holds a single leaf there, the target a container "
+                         f"of {len(below)} leaves")
+    by_text = {}
+    for q in extra:
+        if q not in told_extra:
+            by_text.setdefault(keystr(q), q)
+    for p in missing:
+        q = by_text.get(keystr(p)) if p not in told_missing else None
+        if q is None or q in told_extra:
+            continue
+        j = next(j for j, (a, b) in enumerate(zip(p, q)) if a != b)
+        told_missing.add(p)
+        told_extra.add(q)
+        lines.append(f"  {keystr(p)}: both have it, under other kinds of key at {keystr(p[:j])}: the checkpoint "
+                     f"{_KEY_KINDS.get(q[j][0], q[j][0])}, the target {_KEY_KINDS.get(p[j][0], p[j][0])} "
+                     f"(e.g. a dict with int keys where a list was saved)")
+    lines += [f"  {keystr(p)}: checkpoint has it: no, target has it: yes" for p in missing if p not in told_missing]
+    lines += [f"  {keystr(q)}: checkpoint has it: yes, target has it: no" for q in extra if q not in told_extra]
+    return lines
 
 
 def class_changes(saved, target, path: KeyPath = ()) -> list[tuple[str, str, str]]:

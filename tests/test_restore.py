@@ -706,3 +706,22 @@ def test_a_target_sharding_that_does_not_divide_the_shape_is_refused_before_read
     assert [w for w, _, _ in e.value.mismatches] == ["['big']", "['keys']", "['small']"], msg
     for key, has in [("small", "float32[10]"), ("big", "float32[1030, 512]"), ("keys", "key<threefry2x32>[10]")]:
         assert f"['{key}']: checkpoint has {has}, target expects {has} sharded by {sh}, which does not divide" in msg
+
+def test_structure_mismatches_are_said_as_what_they_are(ckdir):
+    """A dict with int keys where a list was saved printed each path twice ("checkpoint has it:
+    no" and "yes": both render as [0]); None where a tuple was saved said the checkpoint lacked
+    a path it has (a container there, not a leaf). Plain leftovers keep the old lines."""
+    save(ckdir, {"opt": [np.ones(2), np.zeros(2)], "t": (1, 2.0), "w": np.ones(3), "s": np.ones(1)})
+    m = cc.CheckpointManager(ckdir, read_only=True)
+    with pytest.raises(cc.IncompatibleCheckpointError) as e:
+        m.restore(1, target={"opt": {0: np.ones(2), 1: np.zeros(2)}, "t": None, "w": {"a": np.ones(3)},
+                             "x": np.ones(1)})
+    text = str(e.value)
+    assert "['opt'][0]: both have it, under other kinds of key at ['opt']: the checkpoint a list/tuple index, " \
+           "the target a dict key" in text
+    assert "['t']: the checkpoint holds a container of 2 leaves there, the target a single leaf" in text
+    assert "['w']: the checkpoint holds a single leaf there, the target a container of 1 leaves" in text
+    assert "['x']: checkpoint has it: no, target has it: yes" in text
+    assert "['s']: checkpoint has it: yes, target has it: no" in text
+    assert "checkpoint has it: no" not in text.split("['x']")[0]   # no other path said missing
+    assert len(e.value.mismatches) == 11   # the structured list: every leaf path on either side, as before
