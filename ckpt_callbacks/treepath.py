@@ -192,21 +192,20 @@ def _mismatch_lines(missing: list, extra: list) -> list[str]:
                 out.setdefault(q[:n], []).append(q)
         return out
 
-    extra_below, missing_below = below_of(extra), below_of(missing)
-    for p in missing:
-        below = extra_below.get(p)
-        if below:
-            told_missing.add(p)
-            told_extra.update(below)
-            lines.append(f"  {keystr(p)}: the checkpoint holds a container of {len(below)} leaves there, the "
-                         f"target a single leaf (a target leaf, None too, stands in for one saved leaf)")
-    for q in extra:
-        below = missing_below.get(q)
-        if below:
-            told_extra.add(q)
-            told_missing.update(below)
-            lines.append(f"  {keystr(q)}: the checkpoint holds a single leaf there, the target a container "
-                         f"of {len(below)} leaves")
+    # a leaf on one side where the other has a container: (leaves of this side, the other side's
+    # leaves under each path, which set each belongs to, how the line says it)
+    for mine, others, told_mine, told_others, say in (
+            (missing, below_of(extra), told_missing, told_extra,
+             "holds a container of {n} leaves there, the target a single leaf (a target leaf, None too, "
+             "stands in for one saved leaf)"),
+            (extra, below_of(missing), told_extra, told_missing,
+             "holds a single leaf there, the target a container of {n} leaves")):
+        for p in mine:
+            below = others.get(p)
+            if below:
+                told_mine.add(p)
+                told_others.update(below)
+                lines.append(f"  {keystr(p)}: the checkpoint " + say.format(n=len(below)))
     by_text = {}
     for q in extra:
         if q not in told_extra:
