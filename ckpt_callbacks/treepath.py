@@ -212,7 +212,7 @@ def _mismatch_lines(missing: list, extra: list) -> list[str]:
             by_text.setdefault(keystr(q), q)
     for p in missing:
         q = by_text.get(keystr(p)) if p not in told_missing else None
-        if q is None or q in told_extra:
+        if q is None or q in told_extra or len(q) != len(p):   # (same text, other depth: a key with "][" in it)
             continue
         j = next(j for j, (a, b) in enumerate(zip(p, q)) if a != b)
         told_missing.add(p)
