@@ -250,7 +250,8 @@ def _classify(path, x) -> dict:
     rec: dict = {"p": [list(e) for e in path]}
     if x is None:
         rec["k"] = "none"
-    elif isinstance(x, (bool, str, bytes, float)) or (isinstance(x, int) and -2**63 <= x < 2**64):
+    elif (isinstance(x, (bool, str, bytes, float)) and not isinstance(x, np.float64)) or \
+            (isinstance(x, int) and -2**63 <= x < 2**64):   # (np.float64 is a float: kept a numpy scalar below)
         rec.update(k="py", v=x)
     elif isinstance(x, int):
         raise InvalidTreeError(f"at {where}: int {x} does not fit in 64 bits; store it as a str")

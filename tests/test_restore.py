@@ -43,6 +43,7 @@ def test_every_leaf_kind_roundtrips_without_target(ckdir):
     tree = {
         "np": np.arange(12, dtype=np.int32).reshape(3, 4),
         "npscalar": np.float32(2.5),
+        "npfloat64": np.float64(0.1),   # a subclass of float: still a numpy scalar after the round trip
         "py": [1, 2.5, True, "s", b"b", None, -(2**63), 2**64 - 1],
         "empty": {"d": {}, "l": [], "t": ()},
         "nested": {"x": {"y": (np.ones(2),)}},
@@ -52,6 +53,8 @@ def test_every_leaf_kind_roundtrips_without_target(ckdir):
     out = cc.CheckpointManager(ckdir, read_only=True).restore()
     assert_tree_equal(out, tree)
     assert isinstance(out["npscalar"], np.float32)
+    assert isinstance(out["npfloat64"], np.float64) and out["npfloat64"] == np.float64(0.1)
+    assert type(out["py"][1]) is float
 
 
 def test_int_keys_namedtuple_dataclass_with_target(ckdir):
