@@ -623,6 +623,19 @@ def test_an_outage_when_save_is_called_is_a_save_error_and_the_next_save_works(c
         assert m.all_steps() == [1, 3]
 
 
+def test_a_committed_step_missing_its_host_state_file_is_damage_not_not_found(ckdir):
+    # CheckpointNotFoundError means "nothing saved yet: start from scratch" to a caller; a run
+    # restarted at step 0 in this directory would have its new low steps deleted by KeepLast
+    with cc.CheckpointManager(ckdir) as m:
+        for s in (1, 2):
+            m.save(s, tree(s), host_state={"pos": s})
+    os.unlink(os.path.join(ckdir, fmt.step_name(2), "host", "p0.msgpack"))
+    with cc.CheckpointManager(ckdir, read_only=True) as m:
+        with pytest.raises(cc.CorruptCheckpointError, match=r"step 2 .*damaged.*host state of process 0.*missing"):
+            m.host_state()
+        assert m.host_state(1) == {"pos": 1}
+
+
 def test_a_host_state_that_cannot_be_stored_fails_the_save_naming_its_path(tmp_path):
     with cc.CheckpointManager(str(tmp_path / "run")) as m:
         with pytest.raises(cc.ConfigError, match=r"host_state\['data'\]\['pos'\].*64 bits"):
