@@ -152,17 +152,16 @@ def cmd_ls(args, store, out) -> int:
                      "time": (m.get("time") if ok else None), "bytes": (m.get("bytes") if ok else None),
                      "size": store.size(s), "metrics": (m.get("metrics") or {}) if ok else {},
                      "best": s == best, "error": None if ok else str(m)})
-    back = store.recoverable()
-    partial = [{"name": n, "status": "partial"} if n not in back else
-               {"name": n, "status": "recoverable", "step": back[n]} for n in store.leftovers()]
+    partial = _leftovers(store, steps)
     if args.json:
         _json({"directory": store.url, "steps": rows, "partial": partial,
                "best": {"step": best, **spec, "source": src} if spec else None}, out)
         out.write("\n")
         return 0
     n_back = sum(p["status"] == "recoverable" for p in partial)
-    head = f"{store.url}: {len(steps)} committed, {len(partial) - n_back} partial" + (
-        f", {n_back} recoverable" if n_back else "")
+    n_stale = sum(p["status"] == "stale record" for p in partial)
+    head = f"{store.url}: {len(steps)} committed, {len(partial) - n_back - n_stale} partial" + (
+        f", {n_back} recoverable" if n_back else "") + (f", {n_stale} stale record(s)" if n_stale else "")
     if spec:
         head += (f"; best by {spec['metric']} ({spec.get('mode', 'min')}, from {src}): "
                  f"{best if best is not None else 'none reported the metric'}")
@@ -180,9 +179,32 @@ def cmd_ls(args, store, out) -> int:
             out.write(f"{p['step']:>10}  recoverable {p['name']}  (the step itself: its forced replacement was "
                       f"interrupted; put back when a manager or `gc` starts)\n")
             continue
+        if p["status"] == "stale record":
+            out.write(f"{p['step']:>10}  stale      {p['name']}  (the step is committed; only the record of the "
+                      f"interrupted save that wrote it is left: dropped, not the step, when a manager starts or "
+                      f"by `gc --remove-partial`)\n")
+            continue
         out.write(f"{'':>10}  partial    {p['name']}  (staging of a save that is running or was interrupted; "
                   f"removed when a manager starts, or by `gc --remove-partial`)\n")
     return 0
+
+
+def _leftovers(store, steps) -> list[dict]:
+    """`store.leftovers()` as `ls` lists them: "partial" (an unfinished save's data), "recoverable"
+    (a step left only as the copy its interrupted forced replacement moved aside), or "stale
+    record" (object stores: a committed step whose save died before dropping its ``pending/``
+    record; `remove` drops only the record)."""
+    from . import format as fmt
+    back, committed = store.recoverable(), set(steps)
+    out = []
+    for n in store.leftovers():
+        if n in back:
+            out.append({"name": n, "status": "recoverable", "step": back[n]})
+        elif fmt.parse_step_name(n) in committed:
+            out.append({"name": n, "status": "stale record", "step": fmt.parse_step_name(n)})
+        else:
+            out.append({"name": n, "status": "partial"})
+    return out
 
 
 # -- inspect ---------------------------------------------------------------------------------
@@ -313,6 +335,7 @@ def cmd_verify(args, store, out) -> int:
 # -- gc --------------------------------------------------------------------------------------
 def cmd_gc(args, store, out) -> int:
     from . import lock
+    from .format import parse_step_name
     from .errors import ConfigError
     from .retention import StepInfo, decide, retention_from_config
     from .verify import problem_text
@@ -363,7 +386,10 @@ def cmd_gc(args, store, out) -> int:
             if not args.dry_run:
                 store.delete(s)
         for name in partial:
-            out.write(f"  {verb} partial {name}\n")
+            done = parse_step_name(name)
+            out.write(f"  {verb} partial {name}\n" if done not in steps else
+                      f"  {'would drop' if args.dry_run else 'dropping'} the stale record of committed step {done} "
+                      f"(the step stays)\n")
             if not args.dry_run:
                 store.remove(name)
         if not delete and not partial:

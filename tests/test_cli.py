@@ -5,11 +5,14 @@ import io
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
+import msgpack
 import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -405,10 +408,18 @@ def test_cli_on_object_store_urls(objstore, devices):
     store.write(chunk, bytes(data))
     rc, out, _ = run("verify", url, "--all", "--quiet")
     assert rc == 1 and "step 20: DAMAGED" in out and "['params']['w']" in out and "step 30: ok" in out
+    # a save killed between its commit marker and dropping its pending record: the step is
+    # committed, only the record is stale (neither "partial" nor removed with the record)
+    store.write("pending/step_0000000030", msgpack.packb({"op": "save", "token": "dead", "time": time.time() - 3600,
+                                                          "host": socket.gethostname(), "pid": 2**22 + 12345}))
+    rc, out, _ = run("ls", url)
+    assert rc == 0 and "3 committed, 0 partial, 1 stale record(s)" in out and "stale      step_0000000030" in out, out
     rc, out, _ = run("gc", url, "--keep-last", "1", "--dry-run")
     assert rc == 0 and open_store(url).committed_steps() == [10, 20, 30]
-    rc, out, _ = run("gc", url, "--keep-last", "1")
-    assert rc == 0 and open_store(url).committed_steps() == [30]
+    rc, out, _ = run("gc", url, "--keep-last", "1", "--remove-partial")
+    assert rc == 0 and "dropping the stale record of committed step 30 (the step stays)" in out, out
+    assert open_store(url).committed_steps() == [30] and open_store(url).leftovers() == []
+    assert cc.CheckpointManager(url, read_only=True).restore(30) is not None
 
 
 @pytest.mark.parametrize("argv", [["ls"], ["inspect"], ["verify"], ["timeline"], ["gc", "--keep-last", "1"]])
