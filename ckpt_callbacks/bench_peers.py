@@ -2,7 +2,10 @@
 
 Example::
 
+    import jax, jax.numpy as jnp
     from ckpt_callbacks import bench_peers as bp
+    tree = {"w": jnp.ones((256, 256))}
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
     peer = bp.PEERS["ckpt_callbacks"]("/dev/shm/x")     # or "orbax", "flax-msgpack", "np.savez"
     with bp.RssPeak() as mem:
         peer.save(1, tree)           # the blocking part (time it)

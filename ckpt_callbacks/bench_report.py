@@ -2,8 +2,10 @@
 
 Example::
 
+    from ckpt_callbacks import bench_workloads as bw
     from ckpt_callbacks.bench_report import ratios, targets, render
-    result = {"rows": rows, "machine": {...}, "command": "ckpt-callbacks bench", "elapsed_s": 1.0}
+    rows = list(bw.WORKLOADS["big"](bw.Context(root="/tmp/b", storage="tmpfs", scale=0.01, repeats=1)))
+    result = {"rows": rows, "machine": {"cpus": 2}, "command": "ckpt-callbacks bench", "elapsed_s": 1.0}
     result["ratios"], result["targets"] = ratios(rows), targets(rows, scale=1.0)
     print(render(result))
 

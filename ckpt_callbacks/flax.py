@@ -1,9 +1,23 @@
 """CheckpointHook: checkpointing for a hand-written Flax (NNX or Linen) training loop.
 
-Example (NNX; the Linen form is the same with a `TrainState` that `restore_or_init` returns anew)::
+Example (NNX; the Linen form is the same with a `TrainState` that `restore_or_init` returns anew;
+docs/flax.md has both, with a Grain data pipeline)::
 
+    import grain, jax.numpy as jnp, numpy as np, optax
+    from flax import nnx
     import ckpt_callbacks as cc
     from ckpt_callbacks.flax import CheckpointHook
+    model = nnx.Linear(4, 1, rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+    it = iter(grain.MapDataset.range(10**6).map(lambda i: np.full((8, 4), i % 7, np.float32)))
+    loss_of = lambda model, x: jnp.mean((model(x)[:, 0] - x.sum(1)) ** 2)
+    @nnx.jit
+    def train_step(model, optimizer, x):
+        loss, grads = nnx.value_and_grad(loss_of)(model, x)
+        optimizer.update(model, grads)
+        return loss
+    evaluate = lambda model: {"val_loss": float(loss_of(model, jnp.ones((8, 4))))}
+    num_steps = 1000
     hook = CheckpointHook("/tmp/run", every_steps=100, retention=cc.KeepLast(3))
     (model, optimizer), step = hook.restore_or_init((model, optimizer), data_iterator=it)
     while step < num_steps:

@@ -2,9 +2,10 @@
 
 Example::
 
-    from ckpt_callbacks import format as fmt
+    from ckpt_callbacks import format as fmt, treepath
     fmt.step_name(42)                     # 'step_0000000042'
-    body = fmt.pack_manifest({"version": 1, "step": 42, "leaves": [], "tree": {"l": 0}})
+    empty = treepath.flatten({}).skeleton  # the tree {}: no leaves
+    body = fmt.pack_manifest({"version": 1, "step": 42, "leaves": [], "tree": empty})
     fmt.unpack_manifest(body)["step"]     # 42
 
 Who calls what: the writer (process 0) packs the manifest last; every reader unpacks and validates

@@ -2,11 +2,19 @@
 
 Example::
 
-    import keras
+    import keras, numpy as np
     from ckpt_callbacks.keras import AsyncCheckpoint
     from ckpt_callbacks.keras_data import ResumableDataset
 
-    ds = ResumableDataset(MyPyDataset(...), shuffle_seed=0)      # any PyDataset with a length
+    class Batches(keras.utils.PyDataset):                       # any PyDataset with a length
+        def __len__(self):
+            return 50
+        def __getitem__(self, i):
+            return np.full((8, 4), i / 50, np.float32), np.full((8, 1), i / 50, np.float32)
+
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    model.compile("sgd", "mse")
+    ds = ResumableDataset(Batches(), shuffle_seed=0)
     cb = AsyncCheckpoint("/tmp/run", save_freq=100, data=ds)
     model.fit(ds, epochs=10, shuffle=False, callbacks=[cb])      # re-run unchanged after a crash
 

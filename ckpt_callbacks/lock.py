@@ -2,7 +2,9 @@
 
 Example::
 
+    import os
     from ckpt_callbacks.lock import acquire, release
+    os.makedirs("/tmp/run", exist_ok=True)
     acquire("/tmp/run")     # CheckpointLockedError if another live process writes there
     release("/tmp/run")
 

@@ -2,12 +2,16 @@
 
 Example::
 
+    import jax, jax.numpy as jnp
     import ckpt_callbacks as cc
+    state = {"w": jnp.zeros((4, 4)), "count": 0}
+    abstract_state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), state)
+    train_step = jax.jit(lambda s: {"w": s["w"] + 1, "count": s["count"] + 1})
     with cc.CheckpointManager("/tmp/run", save_interval_steps=100,
                               retention=[cc.KeepLast(3), cc.KeepBest("val_loss", "min", 2)]) as mngr:
         start = (mngr.latest_step() or 0)
         state = mngr.restore(target=abstract_state) if mngr.latest_step() is not None else state
-        for step in range(start + 1, 10_000):
+        for step in range(start + 1, 1_000):
             state = train_step(state)
             mngr.save(step, state, metrics={"val_loss": 0.3})   # returns after the snapshot
 

@@ -5,9 +5,9 @@ Example::
     from ckpt_callbacks.preemption import PreemptionWatcher
     watcher = PreemptionWatcher()          # installs handlers for SIGTERM (main thread only)
     for step in range(1, 1001):
-        train_step()
+        pass                               # a training step
         if watcher.requested:              # set by the signal, read between steps
-            save_and_exit(step)
+            break                          # save (and wait for it), then exit
     watcher.close()                        # puts the previous handlers back
 
 Who calls what: `CheckpointHook` constructs one watcher on the main thread and reads

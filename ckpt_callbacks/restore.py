@@ -2,8 +2,14 @@
 
 Example::
 
+    import jax, jax.numpy as jnp
+    import ckpt_callbacks as cc
     from ckpt_callbacks.restore import restore, read_manifest
     from ckpt_callbacks.storage import open_store
+    with cc.CheckpointManager("/tmp/run") as m:        # (a step 10 to read)
+        m.save(10, {"w": jnp.ones((8, 8))}, force=True)
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    abstract_state = {"w": jax.ShapeDtypeStruct((8, 8), jnp.float32, sharding=one)}
     store = open_store("/tmp/run")
     tree = restore(store, 10)                          # host numpy leaves, saved structure
     tree = restore(store, 10, target=abstract_state)   # onto the target's shardings, its classes

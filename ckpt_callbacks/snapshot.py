@@ -2,8 +2,9 @@
 
 Example::
 
+    import jax.numpy as jnp
     from ckpt_callbacks.snapshot import plan, copy
-    snap = plan({"w": jax.numpy.ones((8, 8))})
+    snap = plan({"w": jnp.ones((8, 8))})
     items = []
     copy(snap, items.append)   # returns once the copies are taken; `w` may now be donated
 

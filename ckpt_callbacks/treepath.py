@@ -4,7 +4,7 @@ Example::
 
     from ckpt_callbacks import treepath
     flat = treepath.flatten({"a": [1, None], "b": {}})
-    [p.text for p in flat.paths]          # ["['a'][0]", "['a'][1]"]
+    [treepath.keystr(p) for p in flat.paths]   # ["['a'][0]", "['a'][1]"]
     treepath.rebuild(flat.skeleton, ["x", None])   # {'a': ['x', None], 'b': {}}
 
 A key path is a tuple of entries, each a 2-list ``[kind, key]``: ``"d"`` a dict key (str or int,

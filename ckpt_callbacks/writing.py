@@ -3,9 +3,10 @@
 Example (what `CheckpointManager` does; most users never call this directly)::
 
     import queue
+    import numpy as np
     from ckpt_callbacks import snapshot, writing
     from ckpt_callbacks.storage import open_store
-    snap = snapshot.plan(tree)
+    snap = snapshot.plan({"w": np.ones((512, 1024), np.float32), "step": 10})
     q = queue.SimpleQueue()
     snapshot.copy(snap, q.put)                       # caller's thread: the blocking part
     stats = writing.write_and_commit(open_store("/tmp/run"), 10, snap, q)   # writer thread

@@ -26,3 +26,45 @@ def test_readme_test_command_is_what_ci_runs():
     ci = open(os.path.join(ROOT, ".ci", "run")).read()
     assert 'pip install -e ".[test]" && python -m pytest -q' in readme
     assert ci.rstrip().endswith("python -m pytest -q") and 'pip install --quiet -e ".[test]"' in ci
+
+
+# Module docstrings start with a runnable example; these three are shell commands or need a
+# real bucket (docs/storage.md's examples, run against real servers in test_storage/test_cli).
+_NOT_PYTHON = {"cli", "bench", "objectstore"}
+
+_RUN_EXAMPLES = r'''
+import ast, os, sys, textwrap, traceback
+pkg, tmp = sys.argv[1], sys.argv[2]
+failed = []
+for name in sys.argv[3:]:
+    doc = ast.get_docstring(ast.parse(open(os.path.join(pkg, name + ".py")).read())) or ""
+    head, _, rest = doc.partition("::\n")
+    lines = rest.splitlines()
+    block = []
+    for line in lines:
+        if line.strip() and not line.startswith("    "):
+            break
+        block.append(line)
+    code = textwrap.dedent("\n".join(block))
+    os.makedirs(f"{tmp}/{name}")
+    for path in ("/tmp/", "/dev/shm/"):   # every example in a directory of its own
+        code = code.replace(path, f"{tmp}/{name}/")
+    try:
+        exec(compile(code, f"<{name} docstring>", "exec"), {"__name__": f"example_{name}"})
+    except BaseException:
+        failed.append(f"{name}: {traceback.format_exc()[-1500:]}")
+print("FAILED:\n" + "\n".join(failed) if failed else "all ran")
+'''
+
+
+def test_every_module_docstring_example_runs_as_written(tmp_path):
+    pkg = os.path.join(ROOT, "ckpt_callbacks")
+    names = sorted(f[:-3] for f in os.listdir(pkg) if f.endswith(".py") and not f.startswith("_"))
+    with_example = [n for n in names if "Example" in (open(os.path.join(pkg, n + ".py")).read().split('"""')[1])]
+    assert set(names) - set(with_example) == set(), "a module without an example in its docstring"
+    run = [n for n in with_example if n not in _NOT_PYTHON]
+    r = subprocess.run([sys.executable, "-c", _RUN_EXAMPLES, pkg, str(tmp_path), *run], capture_output=True,
+                       text=True, timeout=600, cwd=tmp_path,
+                       env={**os.environ, "JAX_PLATFORMS": "cpu", "KERAS_BACKEND": "jax",
+                            "XLA_FLAGS": "--xla_force_host_platform_device_count=8"})
+    assert r.returncode == 0 and r.stdout.strip().endswith("all ran"), r.stdout[-6000:] + r.stderr[-2000:]
