@@ -145,8 +145,12 @@ class ObjectStore(Store):
         """Run one kvstore operation; tensorstore has already retried it when this raises."""
         try:
             return fn()
+        except CheckpointError:   # an inner `_io`'s verdict
+            raise
         except (ValueError, RuntimeError, OSError) as e:
             msg = redact(str(e))
+            if re.search(r"Invalid (S3|GCS) bucket name", msg):   # a bad URL: no retry makes it work
+                raise ConfigError(f"{self.url}: {msg[:200]} (see the provider's bucket naming rules)") from None
             how = "failed (not retried: the answer is final)"
             if "NOT_FOUND" in msg:
                 hint = f"check that the bucket {self.bucket!r} exists"

@@ -609,3 +609,12 @@ def test_submit_runs_a_refused_task_here_and_never_a_queued_one_twice(monkeypatc
     with pytest.raises(RuntimeError, match="can't start new thread"):
         storage.submit(pool, ran.append, 1)
     assert ran == []   # queued in the pool, not run here as well
+
+
+@pytest.mark.parametrize("url", ["s3://b/run", "gs://Not_A_Bucket/run"])
+def test_an_invalid_bucket_name_is_a_config_error_not_an_outage(url):
+    # a caller retrying on StorageUnavailableError would retry a bad URL for ever
+    with pytest.raises(cc.ConfigError, match="bucket name") as info:
+        cc.CheckpointManager(url)
+    assert not isinstance(info.value, cc.StorageUnavailableError)
+    assert str(info.value).count(url) == 1, str(info.value)   # said once, not once per layer
