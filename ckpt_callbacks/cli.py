@@ -298,6 +298,8 @@ def cmd_verify(args, store, out) -> int:
     from .restore import read_manifest
     from .verify import Progress, problem_text, verify_step
     steps = store.committed_steps() if args.all else [_pick_step(store, args.step)]
+    if not steps:   # nothing read is not "all ok" (a mistyped prefix of an object store lists nothing)
+        _pick_step(store, None)
     total = 0
     for s in steps:
         try:

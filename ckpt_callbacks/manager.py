@@ -107,11 +107,15 @@ def _watch_exit(manager) -> None:
         _exit_hook = True
 
 
+def _check_flag(name: str, flag) -> None:
+    if not isinstance(flag, bool):   # "no" and 0.0 are truthy or falsy by accident, not by intent
+        raise ConfigError(f"{name} must be True or False, got {flag!r}")
+
+
 def check_save_options(async_save, max_staging_bytes) -> None:
     """ConfigError for a bad `async_save` or `max_staging_bytes` (also checked by the Keras
     callback when it is constructed, before its manager is)."""
-    if not isinstance(async_save, bool):
-        raise ConfigError(f"async_save must be True or False, got {async_save!r}")
+    _check_flag("async_save", async_save)
     if max_staging_bytes is not None and (isinstance(max_staging_bytes, bool)
                                           or not isinstance(max_staging_bytes, numbers.Integral)
                                           or max_staging_bytes < 1):
@@ -177,9 +181,12 @@ class CheckpointManager:
         check_save_options(async_save, max_staging_bytes)
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, numbers.Real) or not 0 < timeout_s < math.inf:
             raise ConfigError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
-        if not isinstance(read_only, bool):
-            raise ConfigError(f"read_only must be True or False, got {read_only!r}")
-        self.directory = os.fspath(directory)
+        _check_flag("read_only", read_only)
+        if not callable(clock):
+            raise ConfigError(f"clock must be a callable returning the time in seconds (like time.time), got {clock!r}")
+        self.directory = os.fspath(directory) if isinstance(directory, os.PathLike) else directory
+        if not isinstance(self.directory, str) or not self.directory.strip():
+            raise ConfigError(f"directory must be a path or a URL (str or os.PathLike), got {directory!r}")
         self.store = open_store(self.directory)
         self.save_interval_steps = save_interval_steps
         self.policies = as_policies(retention)
@@ -246,6 +253,7 @@ class CheckpointManager:
         `metrics` (str -> number) are stored in the manifest and drive `KeepBest`. `host_state`
         is this process's own msgpack-able state (e.g. a data iterator's `get_state()`).
         """
+        _check_flag("force", force)
         return self._save(step, tree, metrics=metrics, host_state=host_state, due=force, replace=force)
 
     def _save(self, step, tree, **kw) -> bool:
@@ -571,6 +579,7 @@ class CheckpointManager:
         This manager's own save in flight is waited for first (`_own_save_first`), so ``save(s,
         tree)`` then ``restore(s)`` (or ``restore()``) reads step `s`.
         """
+        _check_flag("fallback", fallback)
         self._check_process(reading=True)
         self._own_save_first()
         for attempt in range(3):
@@ -698,7 +707,8 @@ class CheckpointManager:
         number of processes than this run has, this raises `IncompatibleCheckpointError` unless
         you say which state this process takes: ``process_index=`` (read that saved process's
         state), ``remap={this_process: saved_process, ...}``, or ``remap=fn`` called as
-        ``fn(saved: dict[int, state], process_index, process_count) -> state``.
+        ``fn(saved: dict[int, state], process_index, process_count) -> state``. An index (given or
+        remapped to) of no process whose state the step holds is a `ConfigError`, not None.
         This manager's own save in flight is waited for first, as by `restore`.
         """
         self._own_save_first()
@@ -714,16 +724,26 @@ class CheckpointManager:
         except CheckpointNotFoundError as e:   # committed, so a missing manifest is damage (as in restore)
             raise CorruptCheckpointError(f"step {step} is committed but unreadable: {e}") from None
         pi, pc = self.coord.process_index, self.coord.process_count
-        if process_index is not None:
-            return restore_mod.read_host_state(self.store, step, m, process_index)
         saved = sorted((m.get("host") or {}).keys())
+
+        def saved_state(p, what):   # a wrong index is an error, not "no host state was saved"
+            if not isinstance(p, int) or isinstance(p, bool):
+                raise ConfigError(f"{what} must be a saved process index (an int), got {p!r}")
+            if saved and p not in saved:
+                raise ConfigError(f"{what}={p}: step {step} holds the host state of processes {saved} only")
+            return restore_mod.read_host_state(self.store, step, m, p)
+
+        if process_index is not None:
+            return saved_state(process_index, "process_index")
         if callable(remap):
             return remap({p: restore_mod.read_host_state(self.store, step, m, p) for p in saved}, pi, pc)
         if remap is not None:
+            if not isinstance(remap, dict):
+                raise ConfigError(f"remap must be a dict {{this_process: saved_process}} or a callable, got {remap!r}")
             if pi not in remap:
                 raise ConfigError(f"remap has no entry for process {pi} (it maps {sorted(remap)}); "
                                   f"give every process of this run ({pc}) a saved process index {saved}")
-            return restore_mod.read_host_state(self.store, step, m, remap[pi])
+            return saved_state(remap[pi], f"remap[{pi}]")
         saved_pc = int(m.get("process_count", 1))
         if saved and saved_pc != pc:
             raise IncompatibleCheckpointError(

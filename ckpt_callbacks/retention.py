@@ -91,7 +91,7 @@ class KeepSteps(Policy):
 
     def __init__(self, steps: Iterable[int]):
         try:
-            items = None if isinstance(steps, (str, bytes)) else list(steps)
+            items = None if isinstance(steps, (str, bytes, dict)) else list(steps)   # (a dict's keys: by accident)
         except TypeError:   # not a collection: an int, None
             items = None
         ints = None if items is None else [as_int(s) for s in items]

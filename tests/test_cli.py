@@ -139,6 +139,14 @@ def test_verify_intact_checkpoint_with_progress_bar(ckpt):
     assert "verify [" in err and "100.0%" in err
 
 
+@pytest.mark.parametrize("flags", [[], ["--all"]])
+def test_verify_of_a_directory_without_a_committed_step_fails(tmp_path, flags):
+    # with --all too: nothing read is not "all ok" (a mistyped object-store prefix lists nothing)
+    (tmp_path / "empty").mkdir()
+    rc, out, err = run("verify", str(tmp_path / "empty"), *flags)
+    assert rc == 1 and "no committed checkpoint" in err and out == "", (rc, out, err)
+
+
 def _chunk_files(step_dir):
     arrays = os.path.join(step_dir, "arrays")
     return sorted(os.path.join(r, f) for r, _, fs in os.walk(arrays) for f in fs if f != "zarr.json")

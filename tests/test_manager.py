@@ -13,7 +13,7 @@ import pytest
 
 import ckpt_callbacks as cc
 from ckpt_callbacks import format as fmt
-from helpers import skip_without_direct_io
+from helpers import assert_tree_equal, skip_without_direct_io
 
 
 # a script's first lines: every write of a save takes a second longer (still in flight at exit)
@@ -555,19 +555,45 @@ def test_bad_save_arguments_raise_at_the_call_and_nothing_is_saved_or_lost(ckdir
                                            ({"timeout_s": -1}, "timeout_s"),
                                            ({"timeout_s": float("nan")}, "timeout_s"),
                                            ({"timeout_s": "600"}, "timeout_s"),
-                                           ({"read_only": "yes"}, "read_only")])
+                                           ({"read_only": "yes"}, "read_only"),
+                                           ({"clock": "x"}, "clock")])
 def test_bad_manager_options_are_config_errors(ckdir, kwargs, match):
     with pytest.raises(cc.ConfigError, match=match):
         cc.CheckpointManager(ckdir, **kwargs)
     assert not os.path.exists(ckdir)
 
 
-@pytest.mark.parametrize("directory", ["", "  ", "hdfs://namenode/run"])
+@pytest.mark.parametrize("directory", ["", "  ", "hdfs://namenode/run", 123, None, b"/tmp/x"])
 def test_an_empty_or_unsupported_directory_is_a_config_error(tmp_path, monkeypatch, directory):
     monkeypatch.chdir(tmp_path)   # "" must not mean the working directory
     with pytest.raises(cc.ConfigError):
         cc.CheckpointManager(directory)
     assert os.listdir(tmp_path) == []
+
+
+def test_force_and_fallback_must_be_bools_not_truthy_strings(ckdir):
+    with cc.CheckpointManager(ckdir) as m:
+        m.save(1, tree(1))
+        with pytest.raises(cc.ConfigError, match="force must be True or False"):
+            m.save(1, tree(2), force="no")   # "no" is truthy: it would have replaced step 1
+        with pytest.raises(cc.ConfigError, match="fallback must be True or False"):
+            m.restore(fallback="no")
+        assert_tree_equal(m.restore(1), tree(1))
+
+
+def test_host_state_of_a_process_index_that_saved_none_is_an_error_not_none(ckdir):
+    # None means "no host state was saved": a wrong index or remap must not look like it
+    with cc.CheckpointManager(ckdir) as m:
+        m.save(1, tree(1), host_state={"pos": 1})
+        m.save(2, tree(2))
+    with cc.CheckpointManager(ckdir, read_only=True) as m:
+        assert m.host_state(1, process_index=0) == {"pos": 1} and m.host_state(1, remap={0: 0}) == {"pos": 1}
+        for kw, match in (({"process_index": 3}, r"process_index=3: step 1 holds the host state of processes \[0\]"),
+                          ({"process_index": -1}, "process_index=-1"), ({"process_index": "0"}, "an int"),
+                          ({"remap": {0: 1}}, r"remap\[0\]=1"), ({"remap": {0: "0"}}, "an int")):
+            with pytest.raises(cc.ConfigError, match=match):
+                m.host_state(1, **kw)
+        assert m.host_state(2) is None and m.host_state(2, process_index=5) is None   # step 2 saved none
 
 
 @pytest.mark.parametrize("damage", ["truncate", "delete"])

@@ -106,7 +106,7 @@ def test_bad_config_names_the_key(config, key):
     assert isinstance(e.value, ValueError)
 
 
-@pytest.mark.parametrize("steps", [5, "5", None])
+@pytest.mark.parametrize("steps", [5, "5", None, {1: 2}])
 def test_keep_steps_of_something_not_a_list_is_a_config_error(steps):
     with pytest.raises(cc.ConfigError, match="keep_steps must be a list"):
         cc.KeepSteps(steps)
