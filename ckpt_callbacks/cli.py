@@ -337,7 +337,6 @@ def cmd_verify(args, store, out) -> int:
 # -- gc --------------------------------------------------------------------------------------
 def cmd_gc(args, store, out) -> int:
     from . import lock
-    from .format import parse_step_name
     from .errors import ConfigError
     from .retention import StepInfo, decide, retention_from_config
     from .verify import problem_text
@@ -371,7 +370,7 @@ def cmd_gc(args, store, out) -> int:
         damaged = _damaged_kept(store, policies, infos) if args.verify else {}
         keep = decide(policies, [i for i in infos if i.step not in damaged]) | set(unreadable) | set(damaged)
         delete = [s for s in steps if s not in keep]
-        partial = [n for n in store.leftovers() if n not in back] if args.remove_partial else []
+        partial = [p for p in _leftovers(store, steps) if p["status"] != "recoverable"] if args.remove_partial else []
         verb = "would delete" if args.dry_run else "deleting"
         for n, s in back.items():
             out.write(f"  put back step {s} from {n} (its forced replacement was interrupted)\n" if not args.dry_run
@@ -387,13 +386,12 @@ def cmd_gc(args, store, out) -> int:
             out.write(f"  {verb} step {s}\n")
             if not args.dry_run:
                 store.delete(s)
-        for name in partial:
-            done = parse_step_name(name)
-            out.write(f"  {verb} partial {name}\n" if done not in steps else
-                      f"  {'would drop' if args.dry_run else 'dropping'} the stale record of committed step {done} "
-                      f"(the step stays)\n")
+        for p in partial:
+            out.write(f"  {verb} partial {p['name']}\n" if p["status"] == "partial" else
+                      f"  {'would drop' if args.dry_run else 'dropping'} the stale record of committed step "
+                      f"{p['step']} (the step stays)\n")
             if not args.dry_run:
-                store.remove(name)
+                store.remove(p["name"])
         if not delete and not partial:
             out.write("  nothing to delete\n")
     finally:

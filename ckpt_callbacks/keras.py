@@ -63,7 +63,7 @@ import numpy as np
 
 from .errors import CheckpointError, ConfigError, IncompatibleCheckpointError
 from .keras_data import ResumableDataset
-from .manager import CheckpointManager, check_save_options
+from .manager import CheckpointManager, check_flag, check_save_options
 from .retention import KeepBest, KeepLast, as_policies
 
 __all__ = ["AsyncCheckpoint", "ResumableDataset"]
@@ -262,9 +262,8 @@ class AsyncCheckpoint(keras.callbacks.Callback):
         if initial_value_threshold is not None and (isinstance(initial_value_threshold, bool) or not isinstance(
                 initial_value_threshold, numbers.Real) or math.isnan(initial_value_threshold)):
             raise ConfigError(f"initial_value_threshold must be a number or None, got {initial_value_threshold!r}")
-        for name, flag in (("resume", resume), ("fallback", fallback)):
-            if not isinstance(flag, bool):
-                raise ConfigError(f"{name} must be True or False, got {flag!r}")
+        check_flag("resume", resume)
+        check_flag("fallback", fallback)
         check_save_options(async_save, max_staging_bytes)
         if keep_best is True:
             keep_best = 1

@@ -107,7 +107,8 @@ def _watch_exit(manager) -> None:
         _exit_hook = True
 
 
-def _check_flag(name: str, flag) -> None:
+def check_flag(name: str, flag) -> None:
+    """ConfigError unless `flag` is a bool (also for the Keras callback's flags)."""
     if not isinstance(flag, bool):   # "no" and 0.0 are truthy or falsy by accident, not by intent
         raise ConfigError(f"{name} must be True or False, got {flag!r}")
 
@@ -115,7 +116,7 @@ def _check_flag(name: str, flag) -> None:
 def check_save_options(async_save, max_staging_bytes) -> None:
     """ConfigError for a bad `async_save` or `max_staging_bytes` (also checked by the Keras
     callback when it is constructed, before its manager is)."""
-    _check_flag("async_save", async_save)
+    check_flag("async_save", async_save)
     if max_staging_bytes is not None and (isinstance(max_staging_bytes, bool)
                                           or not isinstance(max_staging_bytes, numbers.Integral)
                                           or max_staging_bytes < 1):
@@ -181,7 +182,7 @@ class CheckpointManager:
         check_save_options(async_save, max_staging_bytes)
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, numbers.Real) or not 0 < timeout_s < math.inf:
             raise ConfigError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
-        _check_flag("read_only", read_only)
+        check_flag("read_only", read_only)
         if not callable(clock):
             raise ConfigError(f"clock must be a callable returning the time in seconds (like time.time), got {clock!r}")
         self.directory = os.fspath(directory) if isinstance(directory, os.PathLike) else directory
@@ -253,7 +254,7 @@ class CheckpointManager:
         `metrics` (str -> number) are stored in the manifest and drive `KeepBest`. `host_state`
         is this process's own msgpack-able state (e.g. a data iterator's `get_state()`).
         """
-        _check_flag("force", force)
+        check_flag("force", force)
         return self._save(step, tree, metrics=metrics, host_state=host_state, due=force, replace=force)
 
     def _save(self, step, tree, **kw) -> bool:
@@ -579,7 +580,7 @@ class CheckpointManager:
         This manager's own save in flight is waited for first (`_own_save_first`), so ``save(s,
         tree)`` then ``restore(s)`` (or ``restore()``) reads step `s`.
         """
-        _check_flag("fallback", fallback)
+        check_flag("fallback", fallback)
         self._check_process(reading=True)
         self._own_save_first()
         for attempt in range(3):
