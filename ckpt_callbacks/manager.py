@@ -306,8 +306,8 @@ class CheckpointManager:
             extra_info["keep_best"] = {"metric": bp.metric, "mode": bp.mode, "n": bp.n}
         if self.history:
             prev = self.history[-1]
-            extra_info["prev"] = {"step": prev.step, "commit_s": prev.commit_s, "gc_s": prev.gc_s,
-                                  "deleted": list(prev.deleted)}
+            extra_info["prev"] = {"step": prev.step, "started": prev.started, "commit_s": prev.commit_s,
+                                  "gc_s": prev.gc_s, "deleted": list(prev.deleted)}
 
         if self._workers is None and self.store.local:
             self._workers = Workers()

@@ -226,7 +226,8 @@ class Snapshot:
     process_index: int
     process_count: int
     bytes_total: int               # unique bytes of the tree (all processes)
-    started: float
+    started: float                 # time.perf_counter() when `plan` began
+    wall_started: float = 0.0      # time.time() then: the save's start in SaveStats and the manifest
     blocking_s: float = 0.0
     pooled: bool = False           # host-side copies live in a HostPool: reused by a later save
     _sources: Any = None           # the caller's leaves; dropped by `copy`
@@ -289,7 +290,7 @@ def _classify(path, x) -> dict:
 def plan(tree, *, coord: Coordinator | None = None,
          pack_max_bytes: int = PACK_MAX_BYTES, chunk_max_bytes: int = CHUNK_MAX_BYTES) -> Snapshot:
     """Classify leaves and decide the layout and who writes what. Reads no array data."""
-    t0 = time.perf_counter()
+    t0, wall = time.perf_counter(), time.time()
     coord = coord or SingleProcess()
     pi, pc = coord.process_index, coord.process_count
     try:
@@ -353,7 +354,7 @@ def plan(tree, *, coord: Coordinator | None = None,
     writers = layout.assign(box_items + pack_items, pc)
     for i, w in zip(pack_leaves, writers[len(box_items):]):
         records[i]["w"] = w
-    snap = Snapshot(records, flat.skeleton, array_leaves, pi, pc, bytes_total, t0)
+    snap = Snapshot(records, flat.skeleton, array_leaves, pi, pc, bytes_total, t0, wall_started=wall)
     snap._sources = sources
     snap._boxes = [(i, b, devs, nbytes) for (i, b, devs), w, (nbytes, _)
                    in zip(box_meta, writers[:len(box_items)], box_items) if w == pi]

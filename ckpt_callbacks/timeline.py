@@ -90,13 +90,15 @@ def records_from_manifests(store, steps=None, last: int | None = None) -> list[S
         extra = m.get("extra") or {}
         p = extra.get("prev")
         if isinstance(p, dict) and isinstance(p.get("step"), int):
-            prev[p["step"]] = p
+            prev.setdefault(p["step"], []).append(p)
         recs.append(SaveRecord(s, float(t.get("started", m.get("time", 0.0))), float(t.get("blocking_s", 0.0)),
                                float(t.get("write_s", 0.0)), bytes=int(m.get("bytes", 0)),
                                metrics=dict(m.get("metrics") or {})))
     out = []
     for r in recs:
-        p = prev.get(r.step)
+        # the figures of the save that wrote this step's manifest: a forced replacement's own, not
+        # those of the save it replaced (manifests from before "started" was recorded: by step only)
+        p = next((p for p in prev.get(r.step, ()) if p.get("started", r.started) == r.started), None)
         if p:
             r = dataclasses.replace(r, commit_s=_num(p.get("commit_s")), gc_s=_num(p.get("gc_s")),
                                     deleted=tuple(p.get("deleted") or ()))

@@ -206,7 +206,7 @@ def write_and_commit(store: Store, step: int, snap: Snapshot, items, *, coord: C
         lines = "; ".join(f"process {p}: {m}" for p, m in sorted(failures.items()))
         raise CheckpointSaveError(f"save of step {step} failed and was not committed ({lines})", failures) from error
     now = time.perf_counter()
-    return SaveStats(step=step, started=time.time() - (now - snap.started), blocking_s=snap.blocking_s,
+    return SaveStats(step=step, started=snap.wall_started, blocking_s=snap.blocking_s,
                      write_s=t_written - snap.started - snap.blocking_s, commit_s=now - t_written,
                      total_s=now - snap.started, bytes_written=written, bytes_total=snap.bytes_total,
                      files=files + (1 if pi == 0 else 0), process_index=pi,
@@ -636,7 +636,7 @@ def _manifest(step, snap: Snapshot, statuses, metrics, extra) -> dict:
     m = {"version": fmt.FORMAT_VERSION, "step": int(step), "time": time.time(),
          "metrics": dict(metrics or {}), "process_count": snap.process_count, "tree": snap.skeleton,
          "leaves": leaves, "host": host, "host_crc": host_crc, "bytes": snap.bytes_total,
-         "timings": {"started": time.time() - (time.perf_counter() - snap.started),
+         "timings": {"started": snap.wall_started,
                      "blocking_s": snap.blocking_s, "write_s": time.perf_counter() - snap.started - snap.blocking_s}}
     if extra:
         m["extra"] = extra

@@ -52,6 +52,23 @@ def test_records_from_manifests_take_commit_and_gc_from_the_next_save(saved):
     assert timeline.records_from_manifests(open_store(d), last=1)[0].step == 5
 
 
+def test_a_forced_replacement_shows_its_own_figures_not_those_of_the_save_it_replaced(tmp_path):
+    d = str(tmp_path / "run")
+    tree = lambda s: {"w": np.full(1000, s, np.float32)}   # noqa: E731
+    with cc.CheckpointManager(d, retention=[cc.KeepLast(3)]) as m:
+        for s in range(1, 7):
+            m.save(s, tree(s))
+        m.save(6, tree(60), force=True)   # its manifest's `prev` is the first save of step 6
+        m.save(7, tree(7))                # this one's is the replacement's
+        m.wait_until_finished()
+        history = list(m.history)
+    recs = {r.step: r for r in timeline.records_from_manifests(open_store(d))}
+    first6, again6 = [h for h in history if h.step == 6]
+    assert first6.deleted == (3,) and again6.deleted == ()
+    assert recs[6].started == again6.started and recs[6].deleted == () and recs[6].commit_s == again6.commit_s
+    assert recs[7].commit_s is None   # the newest: unknown
+
+
 def test_render_svg_has_one_bar_per_phase_and_handles_empty():
     recs = [timeline.SaveRecord(10, 1000.0, 0.01, 0.2, 0.02, 0.005, 10**6),
             timeline.SaveRecord(20, 1010.0, 0.02, 0.3, None, None, 2 * 10**6)]
