@@ -200,8 +200,8 @@ def _leftovers(store, steps) -> list[dict]:
     for n in store.leftovers():
         if n in back:
             out.append({"name": n, "status": "recoverable", "step": back[n]})
-        elif fmt.parse_step_name(n) in committed:
-            out.append({"name": n, "status": "stale record", "step": fmt.parse_step_name(n)})
+        elif (step := fmt.parse_step_name(n)) in committed:
+            out.append({"name": n, "status": "stale record", "step": step})
         else:
             out.append({"name": n, "status": "partial"})
     return out

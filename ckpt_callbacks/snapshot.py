@@ -227,7 +227,7 @@ class Snapshot:
     process_count: int
     bytes_total: int               # unique bytes of the tree (all processes)
     started: float                 # time.perf_counter() when `plan` began
-    wall_started: float = 0.0      # time.time() then: the save's start in SaveStats and the manifest
+    wall_started: float            # time.time() then: the save's start in SaveStats and the manifest
     blocking_s: float = 0.0
     pooled: bool = False           # host-side copies live in a HostPool: reused by a later save
     _sources: Any = None           # the caller's leaves; dropped by `copy`
@@ -354,7 +354,7 @@ def plan(tree, *, coord: Coordinator | None = None,
     writers = layout.assign(box_items + pack_items, pc)
     for i, w in zip(pack_leaves, writers[len(box_items):]):
         records[i]["w"] = w
-    snap = Snapshot(records, flat.skeleton, array_leaves, pi, pc, bytes_total, t0, wall_started=wall)
+    snap = Snapshot(records, flat.skeleton, array_leaves, pi, pc, bytes_total, t0, wall)
     snap._sources = sources
     snap._boxes = [(i, b, devs, nbytes) for (i, b, devs), w, (nbytes, _)
                    in zip(box_meta, writers[:len(box_items)], box_items) if w == pi]
