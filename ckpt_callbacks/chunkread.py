@@ -6,7 +6,7 @@ Example (what `restore.leaf_reader.read_boxes` does for a local array leaf)::
     import ckpt_callbacks as cc
     from ckpt_callbacks import chunkread
     with cc.CheckpointManager("/tmp/run") as m:        # (a step 10 whose leaf 0 is a zarr array)
-        m.save(10, {"w": np.ones((1024, 1024), np.float32)}, force=True)
+        m.save(10, {"w": np.ones((1024, 2048), np.float32)}, force=True)
     root = "/tmp/run/step_0000000010/arrays/0"
     arr = ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": root}, "open": True}).result()
     rec = {"sh": list(arr.shape), "ch": list(arr.chunk_layout.read_chunk.shape)}

@@ -102,48 +102,64 @@ def write_chunk(path: str, view: np.ndarray, sync: bool = True, claim=None, dire
     return value, not refused
 
 
-def write_parts(path: str, parts: list, window: np.ndarray, direct: bool = True) -> bool:
+def write_parts(path: str, parts: list, window: np.ndarray | None = None, direct: bool = True,
+                claim=None) -> bool:
     """Create the file at `path` (and its directory) holding the buffers `parts` one after
-    another (a blob of packed leaves: `format.pack_bins`), not fsynced. They are copied through
-    `window`, a page-aligned uint8 buffer a whole number of `DIRECT_ALIGN` blocks long; with
-    `direct` each full window goes to the device with ``O_DIRECT``, the last one's whole blocks
-    too, and only its last partial block through the page cache. Returns False when the file
-    system refused direct I/O (what was left went through the page cache).
+    another (a blob of packed leaves: `format.pack_bins`), not fsynced. `claim` as for
+    `write_chunk`: a deleted step's file of the blob's size, overwritten in place. With `direct`
+    the parts are copied through `window`, a page-aligned uint8 buffer a whole number of
+    `DIRECT_ALIGN` blocks long, and each full window goes to the device with ``O_DIRECT``, the
+    last one's whole blocks too, and only its last partial block through the page cache; without
+    it they go through the page cache with one ``pwritev`` (no window). Returns False when the
+    file system refused direct I/O (what was left went through the page cache).
 
     Why a window: a blob's pieces (msgpack heads, paddings, leaves) start anywhere, and
     ``O_DIRECT`` wants block-aligned memory and offsets. Through the page cache every blob file
     would fill new cache pages (on the test VM, whose host takes freed memory back, a small-tree
     save's first 0.25 GiB of blobs cost ~1 s of system time there) and dirty them for the fsync
     to write back; the copy into a window that the writer keeps from save to save costs less.
+    Why a claim: on a memory file system a new file's pages are fresh memory (on that VM ~1 ms
+    per MiB), an overwritten file's are not; on a disk, blocks are not allocated again.
     Called on the writer's chunk pool (`writing._write_blob`), one window per call."""
-    if len(window) % DIRECT_ALIGN or window.ctypes.data % DIRECT_ALIGN:
+    if direct and (window is None or len(window) % DIRECT_ALIGN or window.ctypes.data % DIRECT_ALIGN):
         raise ValueError("the window must be page-aligned and a whole number of blocks long")
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    _unlink(path)   # a file there (a reused staging directory) may be hard-linked elsewhere
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    total = sum(memoryview(p).nbytes for p in parts)
+    fd = _reuse(path, total, claim) if claim is not None else None
+    if fd is None:
+        _unlink(path)   # a file there (a reused staging directory) may be hard-linked elsewhere
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        if not direct:
+            _pwrite_all(fd, [memoryview(p).cast("B") for p in parts], 0, path)
+            return True
+        return _write_through_window(fd, path, parts, window)
+    finally:
+        os.close(fd)
+
+
+def _write_through_window(fd: int, path: str, parts: list, window: np.ndarray) -> bool:
+    """`write_parts` with ``O_DIRECT``: the parts copied through `window`."""
     win, fill, off, refused = memoryview(window), 0, 0, False
 
     def put():   # the window's `fill` bytes to offset `off` (a multiple of the window's length)
         nonlocal refused
         done = 0
-        if direct and not refused:
+        if not refused:
             done, refused = _write_direct_blocks(fd, win[:fill], window.ctypes.data, off)
         _pwrite_all(fd, [win[done:fill]], off + done, path)
 
-    try:
-        for part in parts:
-            src = memoryview(part).cast("B")
-            while len(src):
-                k = min(len(src), len(win) - fill)
-                win[fill:fill + k] = src[:k]
-                fill, src = fill + k, src[k:]
-                if fill == len(win):
-                    put()
-                    off, fill = off + fill, 0
-        if fill:
-            put()
-    finally:
-        os.close(fd)
+    for part in parts:
+        src = memoryview(part).cast("B")
+        while len(src):
+            k = min(len(src), len(win) - fill)
+            win[fill:fill + k] = src[:k]
+            fill, src = fill + k, src[k:]
+            if fill == len(win):
+                put()
+                off, fill = off + fill, 0
+    if fill:
+        put()
     return not refused
 
 

@@ -50,7 +50,7 @@ from .errors import InvalidTreeError
 __all__ = ["plan", "copy", "Snapshot", "ByteBudget", "HostPool", "PACK_MAX_BYTES",
            "CHUNK_MAX_BYTES", "EAGER_COPY_MAX_BYTES", "host_empty"]
 
-PACK_MAX_BYTES = 1 << 20      # leaves up to this size are packed into msgpack blobs
+PACK_MAX_BYTES = 4 << 20      # leaves up to this size are packed into msgpack blobs
 CHUNK_MAX_BYTES = 64 << 20    # zarr chunks are capped at this size
 BLOB_MAX_BYTES = 64 << 20     # a blob holds packed leaves up to this total
 SPLIT_MIN_BYTES = 1 << 20     # with several processes, replicated shards above this are split
@@ -288,9 +288,12 @@ def _classify(path, x) -> dict:
 
 
 def plan(tree, *, coord: Coordinator | None = None,
-         pack_max_bytes: int = PACK_MAX_BYTES, chunk_max_bytes: int = CHUNK_MAX_BYTES) -> Snapshot:
-    """Classify leaves and decide the layout and who writes what. Reads no array data."""
+         pack_max_bytes: int | None = None, chunk_max_bytes: int = CHUNK_MAX_BYTES) -> Snapshot:
+    """Classify leaves and decide the layout and who writes what. Reads no array data.
+    Leaves of at most `pack_max_bytes` (default `PACK_MAX_BYTES`) that this process holds whole
+    are packed into blobs; the others become zarr arrays."""
     t0, wall = time.perf_counter(), time.time()
+    pack_max_bytes = PACK_MAX_BYTES if pack_max_bytes is None else pack_max_bytes
     coord = coord or SingleProcess()
     pi, pc = coord.process_index, coord.process_count
     try:
@@ -430,7 +433,8 @@ def copy(snap: Snapshot, emit, budget: ByteBudget | None = None, pool: HostPool 
          through=None) -> None:
     """Copy every leaf this process writes, in order, handing each copy to `emit`.
 
-    `emit(("packed", leaf, ndarray))` or `emit(("array", ArrayWrite))`; then `emit(None)`. With a
+    `emit(("packed", leaf, array))` (an ndarray, or off CPU an on-device copy that the writer
+    transfers) or `emit(("array", ArrayWrite))`; then `emit(None)`. With a
     budget, each copy first reserves its bytes; the consumer releases them once written, so the
     copies of later leaves wait for the writes of earlier ones (before such a wait, `emit(("flush",))`
     asks the consumer to write the packed leaves it gathers for a blob: their bytes come back then).
@@ -458,8 +462,10 @@ def copy(snap: Snapshot, emit, budget: ByteBudget | None = None, pool: HostPool 
                 x = sources[i]
                 if eager and _host_side(x):
                     arr = eager(x)
+                elif isinstance(x, jax.Array):   # a CPU view, or an asynchronous on-device copy that
+                    arr = np.asarray(x) if _on_cpu(x) else _device_copy(x)   # the writer transfers
                 else:
-                    arr = np.asarray(x) if _on_cpu(x) else np.array(x, copy=True)
+                    arr = np.array(x, copy=True)
                 if budget:
                     budget.acquire(arr.nbytes, flush)
                 emit(("packed", i, arr))

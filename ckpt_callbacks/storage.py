@@ -18,7 +18,7 @@ Who calls what, in order, for one save (process 0 unless said otherwise):
      last. Only then is the step visible to ``committed_steps``. A failed save calls ``abort``.
 Deletion (``delete``) hides the step first (rename to ``.del-``, or marker removed first), then removes
 its bytes, so a half-deleted step is never seen as committed. ``delete(reuse=True)`` (the manager's
-retention, local stores) keeps the hidden step's chunk files for the next save's writers to `claim`
+retention, local stores) keeps the hidden step's chunk and blob files for the next save's writers to `claim`
 (``claim_all``: one for each file of a box, or none) and overwrite in place; ``drop_reusable``
 removes what they left. ``begin(..., reuse_tree=True)`` (one writing process, nothing written
 before it) may instead rename the whole hidden directory to the staging directory, whose chunk
@@ -98,7 +98,7 @@ class Store:
         raise NotImplementedError
 
     def delete(self, step: int, reuse: bool = False) -> None:
-        """Delete a committed step. With `reuse` a backend may keep its chunk files, hidden, for
+        """Delete a committed step. With `reuse` a backend may keep its chunk and blob files, hidden, for
         `claim` by the next save instead (LocalStore); `drop_reusable` deletes what is left."""
         raise NotImplementedError
 
@@ -349,7 +349,7 @@ class LocalStore(Store):
         self.direct_io = hasattr(os, "O_DIRECT") and kind in _DIRECT_FS
         self.in_memory = kind in _MEMORY_FS
         self._kept: list[str] = []              # hidden (.del-) step directories kept for reuse
-        self._pool: dict[int, list[str]] = {}   # their chunk files by size
+        self._pool: dict[int, list[str]] = {}   # their chunk and blob files by size
         self._inplace: dict[str, int] = {}      # chunk files of a kept directory made staging: size
         self._reused: set[str] = set()          # staging directories that are kept directories
         self._stamps: dict[str, dict] = {}      # kept or reused directory -> its unchanged subdirectories
@@ -571,16 +571,16 @@ class LocalStore(Store):
             shutil.rmtree(self.path(hidden), ignore_errors=True)
             return
         # Kept for the next save to overwrite in place: the page cache pages (and on disk, the
-        # blocks) are neither freed now nor allocated again then. Only plain chunk files.
+        # blocks) are neither freed now nor allocated again then. Only plain chunk and blob files.
         # On a disk the next save may take the whole directory (`begin` with reuse_tree): its
         # directories are stamped too, for `publish`, here and not when that save takes it: only
         # now are their entries surely those the commit made durable (a `claim` in between renames
         # chunk files out, unsynced; its stamp then differs and `publish` fsyncs that directory).
         found = []
-        arrays = self.path(f"{hidden}/arrays") + os.sep
-        dirs, files = _tree(self.path(hidden) if self.direct_io else arrays[:-1])
+        reusable = (self.path(f"{hidden}/arrays") + os.sep, self.path(f"{hidden}/blobs") + os.sep)
+        dirs, files = _tree(self.path(hidden))
         for path in files:
-            if not path.startswith(arrays) or os.path.basename(path) == "zarr.json":
+            if not path.startswith(reusable) or os.path.basename(path) == "zarr.json":
                 continue
             st = os.lstat(path)
             if stat.S_ISREG(st.st_mode) and st.st_nlink == 1:

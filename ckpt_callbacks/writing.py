@@ -403,10 +403,15 @@ class _EarlySync:
 
 
 def _write_blob(store: Store, rel: str, parts: list, workers: Workers) -> None:
-    """Write a blob file (`format.pack_bins`'s buffers) on a disk, through one of the writer's
-    windows; not fsynced here (`_EarlySync` does, once the write has succeeded)."""
+    """Write a blob file (`format.pack_bins`'s buffers) of a local store, over a deleted step's
+    file of its size where one is kept (`store.claim`); on a disk through one of the writer's
+    windows. Not fsynced here (`_EarlySync` does, once the write has succeeded)."""
+    path = store.path(rel)
+    if not store.direct_io:
+        chunkwrite.write_parts(path, parts, direct=False, claim=store.claim)
+        return
     with workers.window() as win:
-        if not chunkwrite.write_parts(store.path(rel), parts, win, direct=store.direct_io):
+        if not chunkwrite.write_parts(path, parts, win, direct=True, claim=store.claim):
             store.direct_io = False   # this file system refused O_DIRECT: not asked again
 
 
@@ -492,9 +497,9 @@ def _consume(store, staging, snap, items, arrays, budget, workers):
             return
         rel = f"blobs/p{snap.process_index}-{nblob}.msgpack"
         parts, index = fmt.pack_bins(blob, align=fmt.BLOB_ALIGN)
-        if chunk_pool and store.direct_io:
-            # on a disk: by O_DIRECT through a window, on a chunk thread (the writer goes on
-            # meanwhile), fsynced early as chunk files are
+        if chunk_pool:
+            # a local store: on a chunk thread (the writer goes on meanwhile), over a deleted
+            # step's blob where one is kept, fsynced early as chunk files are
             pending(submit(chunk_pool, _write_blob, store, f"{staging}/{rel}", parts, workers),
                     [f"{staging}/{rel}"], blob_bytes)
         else:
@@ -539,7 +544,7 @@ def _consume(store, staging, snap, items, arrays, budget, workers):
                 continue
             if item[0] == "packed":
                 _, leaf, arr = item
-                arr = _bools(arr)
+                arr = _bools(np.asarray(arr))   # (off CPU: the device-to-host transfer, here)
                 # a byte view, not a copy: msgpack copies it once, into the blob
                 raw = memoryview(np.ascontiguousarray(arr).reshape(-1).view(np.uint8))
                 blob.append(raw)

@@ -22,3 +22,11 @@ def devices():
     devs = jax.devices()
     assert len(devs) == 8, "tests need 8 CPU devices (tests/conftest.py sets jax_num_cpu_devices)"
     return devs
+
+
+@pytest.fixture
+def zarr_above_1mib(monkeypatch):
+    """Leaves above 1 MiB become zarr arrays (by default only those above 4 MiB do): tests of the
+    zarr path keep their arrays small. The layout code is the same for any threshold."""
+    from ckpt_callbacks import snapshot
+    monkeypatch.setattr(snapshot, "PACK_MAX_BYTES", 1 << 20)

@@ -26,7 +26,7 @@ LAYOUT = {
     "w": ((64, 48), "float32", P("a", "b")),
     "emb": ((128, 32), "bfloat16", P("a", None)),         # replicated over b
     "cols": ((32, 64), "int8", P(None, "b")),              # replicated over a
-    "rep_big": ((512, 640), "float32", P()),               # 1.3 MB replicated: a zarr array
+    "rep_big": ((1024, 1280), "float32", P()),             # 5.2 MB replicated: a zarr array
     "bias": ((48,), "float32", P()),                        # small replicated: packed
     "u16": ((16, 8), "uint16", P("a", None)),              # small but sharded across processes
 }

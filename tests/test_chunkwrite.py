@@ -126,6 +126,7 @@ def test_short_writes_are_continued(tmp_path, monkeypatch):
     assert data[:-4] == x.tobytes() and int.from_bytes(data[-4:], "little") == fmt.crc32c(x)
 
 
+@pytest.mark.usefixtures("zarr_above_1mib")
 def test_a_save_writes_native_arrays_directly_and_the_rest_through_tensorstore(ckdir, monkeypatch):
     mesh = jax.make_mesh((4, 2), ("a", "b"))
     tree = {"w": jax.device_put(random_array((512, 640), "float32", 3), NamedSharding(mesh, P("a", "b"))),
@@ -338,8 +339,8 @@ def test_blob_parts_go_to_the_device_through_a_window(direct_dir, monkeypatch, s
 def test_blob_parts_without_direct_io_or_refused_go_through_the_page_cache(direct_dir, monkeypatch):
     parts = blob_parts(2, [5000, 30_000, 11])
     seen = spy_direct(monkeypatch)
-    assert chunkwrite.write_parts(str(direct_dir / "a"), parts, window(2), direct=False) is True
-    assert not any(w[3] for w in seen) and [w[0] for w in seen] == ["pwritev"] * 5   # one per window
+    assert chunkwrite.write_parts(str(direct_dir / "a"), parts, direct=False) is True
+    assert seen == [("pwritev", 0, 35_011, False)]   # straight from the parts: no window, one call
     real_fcntl = fcntl.fcntl
 
     def no_direct_flag(fd, cmd, arg=0):
@@ -362,6 +363,29 @@ def test_a_blob_replaces_a_file_hard_linked_elsewhere_and_refuses_a_misaligned_w
     for bad in (page_aligned(np.zeros(4096 + 512, np.uint8)), np.frombuffer(window(2).data, np.uint8)[64:64 + 4096]):
         with pytest.raises(ValueError, match="page-aligned"):
             chunkwrite.write_parts(str(path), [b"x"], bad)
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_a_blob_overwrites_a_claimed_file_of_its_size_in_place(direct_dir, direct):
+    parts = blob_parts(5, [5000, 30_000, 11])
+    total = sum(len(memoryview(p)) for p in parts)
+    old, path = direct_dir / "old", direct_dir / "blobs" / "p0-0.msgpack"
+    old.write_bytes(b"x" * total)
+    ino = os.stat(old).st_ino
+    asked = []
+    claim = lambda n, p: (asked.append((n, p)), str(old))[1]
+    win = window(2) if direct else None
+    assert chunkwrite.write_parts(str(path), parts, win, direct=direct, claim=claim) is True
+    assert asked == [(total, str(path))] and not old.exists()
+    assert os.stat(path).st_ino == ino and path.read_bytes() == b"".join(bytes(p) for p in parts)
+    # a claimed file hard-linked elsewhere (a backup) is never written through: a new file instead
+    backup = direct_dir / "backup"
+    os.link(path, backup)
+    before = backup.read_bytes()
+    new = blob_parts(6, [5000, 30_000, 11])
+    chunkwrite.write_parts(str(path), new, win, direct=direct, claim=lambda n, p: str(path))
+    assert backup.read_bytes() == before and path.read_bytes() == b"".join(bytes(p) for p in new)
+    assert os.stat(path).st_ino != ino
 
 
 def test_a_failed_blob_write_fails_it(direct_dir, monkeypatch):

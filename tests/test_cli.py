@@ -18,7 +18,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import ckpt_callbacks as cc
-from ckpt_callbacks import cli
+from ckpt_callbacks import cli, snapshot
 from ckpt_callbacks.storage import open_store
 
 STEPS = [10, 20, 30, 40]
@@ -36,11 +36,13 @@ def make_tree(step, devices):
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory, devices):
     d = str(tmp_path_factory.mktemp("cli") / "run")
-    with cc.CheckpointManager(d, retention=[cc.KeepLast(3), cc.KeepBest("val_loss", "min", 1)]) as m:
-        for s in STEPS:
-            m.save(s, make_tree(s, devices), metrics={"val_loss": LOSS[s]})
-        m.wait_until_finished()
-        assert m.all_steps() == [20, 30, 40]
+    with pytest.MonkeyPatch.context() as mp:   # "w" (2 MiB) a zarr array: see conftest.zarr_above_1mib
+        mp.setattr(snapshot, "PACK_MAX_BYTES", 1 << 20)
+        with cc.CheckpointManager(d, retention=[cc.KeepLast(3), cc.KeepBest("val_loss", "min", 1)]) as m:
+            for s in STEPS:
+                m.save(s, make_tree(s, devices), metrics={"val_loss": LOSS[s]})
+            m.wait_until_finished()
+            assert m.all_steps() == [20, 30, 40]
     return d
 
 
@@ -212,6 +214,7 @@ def test_verify_catches_bytes_appended_to_a_chunk_as_restore_does(ckpt, tmp_path
         cc.CheckpointManager(d, read_only=True).restore(40)
 
 
+@pytest.mark.usefixtures("zarr_above_1mib")
 def test_an_outage_is_never_reported_as_damage_by_ls_or_verify(ckpt, monkeypatch):
     from ckpt_callbacks import restore as restore_mod
     real_array, real_manifest = restore_mod.leaf_reader.array, restore_mod.read_manifest
@@ -248,6 +251,7 @@ def test_gc_dry_run_changes_nothing_then_gc_deletes_exactly(ckpt, tmp_path):
     assert open_store(d).committed_steps() == [20, 40]
 
 
+@pytest.mark.usefixtures("zarr_above_1mib")
 def test_gc_verify_keeps_an_intact_step_in_place_of_a_damaged_one(ckpt, tmp_path):
     d = str(tmp_path / "run")
     shutil.copytree(ckpt, d)
@@ -297,6 +301,7 @@ def test_a_step_left_only_as_old_by_an_interrupted_replacement_is_put_back_never
         np.testing.assert_array_equal(m.restore(40)["params"]["b"], make_tree(40, devices)["params"]["b"])
 
 
+@pytest.mark.usefixtures("zarr_above_1mib")
 def test_gc_never_brings_back_a_replaced_copy_of_a_step_it_deleted(ckpt, tmp_path, devices):
     """force=True died after its commit, while removing the replaced copy (`step_N.old-*`, torn):
     `gc` deleted step_N and the next start put the stale, torn copy back as step N."""
@@ -397,6 +402,7 @@ except ImportError:
         pytest.skip("tests/objstore.py (real object-store servers) is not in this tree yet")
 
 
+@pytest.mark.usefixtures("zarr_above_1mib")
 def test_cli_on_object_store_urls(objstore, devices):
     """ls, inspect, verify (catching a damaged chunk object), gc on s3:// and gs:// URLs."""
     url = objstore.url

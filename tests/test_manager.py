@@ -294,6 +294,7 @@ def _big_tree(k):   # two arrays over the 1 MiB packing limit: written as chunk 
             "m": rng.standard_normal((512, 640)).astype(np.float32), "step": k}
 
 
+@pytest.mark.usefixtures("zarr_above_1mib")
 def test_deleted_steps_chunk_files_are_overwritten_by_the_next_save_and_restore_exactly(ckdir):
     # KeepLast(2): saving step 3 deletes step 1, whose chunk files step 4 then takes over (the
     # page cache pages and disk blocks are reused, not freed and allocated again)
@@ -385,6 +386,7 @@ def test_a_padded_edge_chunk_is_never_written_over_a_reused_directorys_stale_chu
     m.close()
 
 
+@pytest.mark.usefixtures("zarr_above_1mib")
 def test_a_save_into_a_reused_directory_fsyncs_exactly_the_directories_whose_entries_changed(ckdir, monkeypatch):
     """On a disk, save k + 3 is written into the directory of step k (KeepLast(2)). A directory
     whose entries are those step k committed is durable already and is not fsynced again; every
@@ -462,6 +464,7 @@ def test_the_writer_runs_alongside_the_snapshot_and_each_save_is_whole(ckdir, mo
     assert seen == [True] * 4
 
 
+@pytest.mark.usefixtures("zarr_above_1mib")
 @pytest.mark.parametrize("where", ["disk", "tmpfs"])
 def test_a_snapshot_that_fails_midway_commits_nothing_leaves_nothing_and_the_next_save_works(
         ckdir, monkeypatch, where):
@@ -498,6 +501,7 @@ def test_a_snapshot_that_fails_midway_commits_nothing_leaves_nothing_and_the_nex
                 np.testing.assert_array_equal(got[name], x)
 
 
+@pytest.mark.usefixtures("zarr_above_1mib")
 def test_on_a_disk_retention_hands_its_deleted_steps_directory_to_the_save_after_next(ckdir):
     """KeepLast(2), a save after each: step 1 is deleted after save 3's commit, and save 4 is
     written in its directory (renamed), so steady-state saves create no directories."""

@@ -85,6 +85,7 @@ def _golden_manifest(ckdir, **leaf_changes):
     return m, path
 
 
+@pytest.mark.usefixtures("zarr_above_1mib")
 def test_declared_shape_beyond_stored_bytes_is_refused_before_allocating(ckdir):
     m, path = _golden_manifest(ckdir)
     big = next(l for l in m["leaves"] if l["k"] == "array")
@@ -208,6 +209,7 @@ def test_a_damaged_host_state_is_caught_by_its_checksum_and_fallback_passes_it(c
     assert [w for w, _ in verify_step(m.store, 2)] == ["host state of process 0"]
 
 
+@pytest.mark.usefixtures("zarr_above_1mib")
 @pytest.mark.parametrize("damage", ["dir_is_file", "file_is_dir"])
 def test_broken_chunk_tree_is_corruption_and_restore_falls_back(ckdir, damage):
     with cc.CheckpointManager(ckdir) as m:
@@ -263,6 +265,7 @@ def _falls_back_or_unavailable(ckdir, key: str, falls_back: bool, match: str):
 
 @pytest.mark.parametrize("err,falls_back", [(errno.EACCES, False), (errno.ESTALE, False), (errno.ETIMEDOUT, False),
                                             (errno.EIO, True)])
+@pytest.mark.usefixtures("zarr_above_1mib")
 def test_unreadable_chunk_falls_back_only_when_the_data_is_bad(ckdir, monkeypatch, err, falls_back):
     """A permission, stale-handle or timeout error says nothing about the step: restore raises
     StorageUnavailableError and never quietly restores an older step. An I/O error (bad sectors) does."""
@@ -324,6 +327,7 @@ def test_verify_tells_an_unreadable_chunk_from_a_damaged_one(message, expected):
         verify._drain(((0, 0), (slice(0, 4), slice(0, 4)), Failed()), {"z": "arrays/0"}, "['w']", 4, None, str)
 
 
+@pytest.mark.usefixtures("zarr_above_1mib")
 def test_array_without_its_crc32c_codec_is_never_read_unchecked(ckdir):
     import json
     with cc.CheckpointManager(ckdir) as m:

@@ -105,6 +105,7 @@ def storage_dir(request, tmp_path):
         shutil.rmtree(d, ignore_errors=True)
 
 
+@pytest.mark.usefixtures("zarr_above_1mib")
 @pytest.mark.parametrize("src", list(shardings()))
 def test_reshard_cross_product(storage_dir, src, monkeypatch):
     """5+ save shardings x 6 restore shardings, including an uneven shape, on a disk and on a
@@ -186,6 +187,7 @@ def _chunk_files(d):
     return sorted(out)
 
 
+@pytest.mark.usefixtures("zarr_above_1mib")
 @pytest.mark.parametrize("damage", ["flip", "truncate", "delete"])
 def test_damaged_chunk_raises_corruption_naming_the_leaf(ckdir, damage):
     x = random_array((512, 1024), "float32", 0)
@@ -206,6 +208,7 @@ def test_damaged_chunk_raises_corruption_naming_the_leaf(ckdir, damage):
     assert e.value.key_path == "['params']['w']"
 
 
+@pytest.mark.usefixtures("zarr_above_1mib")
 @pytest.mark.parametrize("read", ["whole", "reshard"])
 def test_an_intact_chunk_of_another_save_is_refused_not_restored(storage_dir, read):
     """A chunk carries its own CRC, so a chunk file of another step (copied over this one's, a
@@ -234,6 +237,7 @@ def test_an_intact_chunk_of_another_save_is_refused_not_restored(storage_dir, re
     assert m.restored_step == 1
 
 
+@pytest.mark.usefixtures("zarr_above_1mib")
 def test_a_zarr_json_with_big_endian_bytes_is_damage_never_a_wrong_read(ckdir):
     """zarr.json has no checksum of its own: an edited endian made restore return byte-swapped
     values and `verify` say ok (no crc32c codec: test_reliability.py)."""
@@ -349,6 +353,7 @@ def test_a_0d_array_comes_back_an_array_and_a_numpy_scalar_a_scalar(ckdir):
         "count": (np.int64, 5), "j": (np.float32, 1.5), "s": (np.float32, 2.5)}
 
 
+@pytest.mark.usefixtures("zarr_above_1mib")
 def test_a_step_deleted_and_written_over_while_it_is_read_is_never_returned(ckdir, monkeypatch):
     """A reader restores step 1 while a trainer with KeepLast(1) saves on: retention deletes step
     1 and the next save writes over its chunk files in place (checksums and all), under the

@@ -120,7 +120,7 @@ def test_clear_in_the_background_empties_the_pool_at_once_and_frees_the_buffers_
 
 
 def test_cpu_state_within_the_pool_limit_is_copied_and_larger_or_budgeted_state_is_viewed():
-    x = jax.device_put(jnp.arange(1 << 19, dtype=jnp.float32))   # 2 MiB: a zarr array
+    x = jax.device_put(jnp.arange(1 << 19, dtype=jnp.float32))   # 2 MiB: packed
     tree = {"x": x, "n": np.ones(4), "s": jnp.float32(1)}
     snap, out = _copies(tree, snapshot.HostPool())
     assert snap.pooled
@@ -136,6 +136,36 @@ def test_cpu_state_within_the_pool_limit_is_copied_and_larger_or_budgeted_state_
 
     snap, out = _copies(tree)                                            # no pool: views
     assert not snap.pooled and np.shares_memory(out[2], np.asarray(x))
+
+
+def test_leaves_up_to_4_mib_held_whole_are_packed_and_larger_or_cross_process_ones_are_zarr_arrays():
+    assert snapshot.PACK_MAX_BYTES == 4 << 20
+    n = snapshot.PACK_MAX_BYTES // 4
+    mesh = jax.make_mesh((8,), ("a",))
+    sharded = jax.device_put(jnp.zeros(n, jnp.float32), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("a")))
+    snap = snapshot.plan({"at": np.zeros(n, np.float32), "above": np.zeros(n + 1, np.float32),
+                          "sharded": sharded, "small": np.zeros(3)})
+    kinds = {r["p"][0][1]: r["k"] for r in snap.records}
+    assert kinds == {"at": "packed", "above": "array", "sharded": "packed", "small": "packed"}
+    # the caller's threshold wins (and only this process's whole leaves are ever packed)
+    kinds = {r["p"][0][1]: r["k"] for r in snapshot.plan({"at": np.zeros(n, np.float32)}, pack_max_bytes=1 << 20).records}
+    assert kinds == {"at": "array"}
+
+
+def test_off_cpu_a_packed_leaf_is_an_asynchronous_device_copy_the_writer_transfers(monkeypatch):
+    """A packed leaf on an accelerator is not transferred on the caller's thread (that would block
+    the training step for the whole device-to-host copy): `copy` hands the writer an on-device
+    copy, which stays valid when the step donates the original."""
+    monkeypatch.setattr(snapshot, "_on_cpu", lambda x: False)
+    x = jax.device_put(jnp.arange(1 << 18, dtype=jnp.float32))   # 1 MiB: packed
+    expected = np.asarray(x).copy()
+    n = np.ones(3)
+    snap, out = _copies({"n": n, "x": x})   # leaves 0 and 1
+    assert [r["k"] for r in snap.records] == ["packed", "packed"] and isinstance(out[1], jax.Array)
+    assert out[1].unsafe_buffer_pointer() != x.unsafe_buffer_pointer()
+    jax.jit(lambda a: a + 1, donate_argnums=0)(x)   # the original donated
+    np.testing.assert_array_equal(np.asarray(out[1]), expected)
+    assert isinstance(out[0], np.ndarray) and not np.shares_memory(out[0], n)   # numpy: copied at once
 
 
 def test_a_deleted_jax_array_is_an_invalid_tree_naming_the_key_path(ckdir):

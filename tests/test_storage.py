@@ -78,6 +78,7 @@ def test_async_save_then_restore_resharded(objstore):
     assert not [k for k in objstore.keys() if k.startswith("pending/")]
 
 
+@pytest.mark.usefixtures("zarr_above_1mib")
 def test_retention_leaves_exactly_the_kept_steps(objstore):
     with cc.CheckpointManager(objstore.url, retention=cc.KeepLast(2)) as m:
         for step in range(1, 6):
@@ -300,6 +301,7 @@ def test_no_endpoint_or_credential_in_objects_logs_or_errors(objstore, caplog, c
         assert s not in err, s
 
 
+@pytest.mark.usefixtures("zarr_above_1mib")
 def test_outage_mid_restore_is_unavailable_storage_never_a_fallback(objstore, monkeypatch, capsys):
     from ckpt_callbacks import cli
     from ckpt_callbacks import restore as restore_mod
@@ -392,6 +394,7 @@ def test_cli_lists_verifies_and_collects_an_object_store(objstore, capsys):
     assert {k.split("/")[0] for k in objstore.keys()} == {"commits", "step_0000000003"}
 
 
+@pytest.mark.usefixtures("zarr_above_1mib")
 def test_an_intact_chunk_object_of_another_save_is_refused_on_an_object_store(objstore):
     """Tensorstore checks each chunk against the CRC the chunk carries; the manifest's record of
     every chunk's CRC (computed by the writer for what tensorstore writes) is compared with the
@@ -417,6 +420,7 @@ def test_an_intact_chunk_object_of_another_save_is_refused_on_an_object_store(ob
     assert_tree_equal(m.restore(1, target={"w": xs[0], "f": flags}), {"w": xs[0], "f": flags})
 
 
+@pytest.mark.usefixtures("zarr_above_1mib")
 def test_force_resave_replaces_a_committed_step_without_stale_objects(objstore):
     with cc.CheckpointManager(objstore.url, async_save=False) as m:
         m.save(1, {"a": np.arange(300_000, dtype=np.float32), "b": np.ones(3)})
@@ -470,6 +474,7 @@ def test_a_forced_replacement_during_a_restore_is_caught_never_returned_half_old
     writer.close()
 
 
+@pytest.mark.usefixtures("zarr_above_1mib")
 def test_claim_all_takes_a_kept_file_for_every_size_or_none(tmp_path):
     store = open_store(str(tmp_path / "ck"))
     with cc.CheckpointManager(store.root) as m:
@@ -484,6 +489,7 @@ def test_claim_all_takes_a_kept_file_for_every_size_or_none(tmp_path):
     assert not [n for n in os.listdir(store.root) if ".del-" in n]
 
 
+@pytest.mark.usefixtures("zarr_above_1mib")
 def test_kept_files_nobody_claimed_are_deleted_on_the_pool_given(tmp_path):
     store = open_store(str(tmp_path / "ck"))
     with cc.CheckpointManager(store.root) as m:

@@ -55,6 +55,7 @@ def test_donated_state_after_save_is_still_saved_exactly(ckdir, snapshot_path):
 
 @pytest.mark.parametrize("direct_io,in_memory", [(False, False), (False, True), (True, False)],
                          ids=["page cache (network mount)", "in memory (tmpfs)", "O_DIRECT (disk)"])
+@pytest.mark.usefixtures("zarr_above_1mib")
 def test_pooled_buffers_serve_the_next_save_and_every_step_restores_exactly(ckdir, direct_io, in_memory, monkeypatch):
     if direct_io:
         skip_without_direct_io(ckdir)
@@ -102,6 +103,7 @@ def test_pooled_buffers_serve_the_next_save_and_every_step_restores_exactly(ckdi
     assert sum(map(bool, direct_writes)) == (6 * 8 if direct_io else 0)
 
 
+@pytest.mark.usefixtures("zarr_above_1mib")
 def test_in_memory_saves_without_kept_files_write_new_files_through_and_restore_exactly(ckdir):
     """On a memory file system every save writes the chunk files it can straight from the
     caller's buffers before returning, as new files where retention kept none (here: no
@@ -124,6 +126,44 @@ def test_in_memory_saves_without_kept_files_write_new_files_through_and_restore_
             assert_tree_equal(m.restore(k), expected[k])
 
 
+@pytest.mark.parametrize("direct_io,in_memory", [(False, False), (False, True), (True, False)],
+                         ids=["page cache (network mount)", "in memory (tmpfs)", "O_DIRECT (disk)"])
+def test_blobs_of_a_deleted_step_are_written_over_in_place_and_every_step_restores_exactly(
+        ckdir, direct_io, in_memory):
+    """A state of leaves up to 4 MiB (a Keras model's weights and optimizer slots) is one blob
+    per save. Retention keeps a deleted step's blob for the next save of the same tree, which
+    writes over it in place (the same inode): on a memory file system its pages are not fresh
+    memory again, on a disk its blocks are not allocated again."""
+    from ckpt_callbacks.verify import verify_step
+    if direct_io:
+        skip_without_direct_io(ckdir)
+    rng = np.random.default_rng(0)
+
+    def state(k):
+        return {"w": jnp.asarray(rng.standard_normal((1024, 1024), np.float32)),    # 4 MiB
+                "m": rng.standard_normal((512, 1024)).astype(np.float32),              # 2 MiB
+                "b": jnp.full(1024, k, jnp.float32), "step": k}
+
+    def blob_inodes(step):
+        blobs = sorted(glob.glob(os.path.join(ckdir, f"step_{step:010d}", "blobs", "*")))
+        return [os.stat(b).st_ino for b in blobs]
+
+    expected, inodes = {}, {}
+    with cc.CheckpointManager(ckdir, retention=cc.KeepLast(2)) as m:
+        m.store.direct_io, m.store.in_memory = direct_io, in_memory   # as LocalStore decides from the file system
+        for k in range(1, 6):
+            expected[k] = state(k)
+            m.save(k, expected[k])
+            m.wait_until_finished()
+            inodes[k] = blob_inodes(k)
+            assert len(inodes[k]) == 1 and not glob.glob(os.path.join(ckdir, f"step_{k:010d}", "arrays"))
+        assert m.all_steps() == [4, 5]
+        for k in (4, 5):
+            assert_tree_equal(m.restore(k), expected[k])
+            assert verify_step(m.store, k) == []
+    assert inodes[4] == inodes[1] and inodes[5] == inodes[2]   # step 1's blob became step 4's
+
+
 def test_bools_are_checked_for_bytes_other_than_0_and_1_off_the_callers_thread(ckdir, monkeypatch):
     """The check (and a copy where a byte is not 0/1) ran in the snapshot on a memory file
     system, stalling the caller for bools that are then copied and written later anyway."""
@@ -141,6 +181,7 @@ def test_bools_are_checked_for_bytes_other_than_0_and_1_off_the_callers_thread(c
     assert_tree_equal(got, {"f": raw != 0, "g": np.asarray(raw > 1), "w": np.ones((512, 1024), np.float32)})
 
 
+@pytest.mark.usefixtures("zarr_above_1mib")
 @pytest.mark.parametrize("in_memory", [True, False], ids=["in memory (tmpfs)", "disk"])
 def test_a_save_fsyncs_nothing_on_a_memory_file_system_and_everything_on_a_disk(ckdir, in_memory, monkeypatch):
     """tmpfs and ramfs implement fsync as a no-op, so there a save opens and fsyncs no file or
@@ -262,6 +303,7 @@ def test_one_save_in_flight(ckdir):
     assert order.index(("publish-end", 1)) < order.index(("publish-start", 2))
 
 
+@pytest.mark.usefixtures("zarr_above_1mib")
 def test_commit_is_atomic_rename_with_fsyncs(ckdir, monkeypatch):
     monkeypatch.setattr(storage, "_MEMORY_FS", frozenset())   # a disk's fsyncs, also where tmp_path is a tmpfs
     synced, renamed = [], []
@@ -320,6 +362,7 @@ def test_a_shard_larger_than_the_budget_is_staged_alone_and_whole(ckdir):
         assert_tree_equal(m.restore(1), tree)
 
 
+@pytest.mark.usefixtures("zarr_above_1mib")
 def test_phase_timings_are_reported(ckdir):
     with cc.CheckpointManager(ckdir) as m:
         m.save(1, sharded_state())
@@ -346,6 +389,7 @@ def test_arrays_deleted_after_save_are_still_saved_exactly(ckdir):
         assert_tree_equal(m.restore(1), expected)
 
 
+@pytest.mark.usefixtures("zarr_above_1mib")
 def test_budget_smaller_than_one_sharded_leaf_streams_without_deadlock(ckdir):
     mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("a", "b"))
     sh = NamedSharding(mesh, P("a", "b"))
@@ -391,11 +435,20 @@ def device_copy_path(monkeypatch):
     monkeypatch.setattr(snapshot, "_on_cpu", lambda x: False)
 
 
+@pytest.mark.usefixtures("zarr_above_1mib")
 def test_device_copy_path_is_donation_safe_and_streams_under_a_budget(ckdir, device_copy_path):
     test_donated_state_after_save_is_still_saved_exactly(ckdir + "-a", "device copies")
     test_budget_smaller_than_one_sharded_leaf_streams_without_deadlock(ckdir + "-b")
 
 
+def test_device_copy_path_packs_sharded_leaves_up_to_4_mib_donation_safe(ckdir, device_copy_path):
+    from ckpt_callbacks.restore import read_manifest
+    test_donated_state_after_save_is_still_saved_exactly(ckdir, "device copies")
+    kinds = {r["p"][0][1]: r["k"] for r in read_manifest(storage.open_store(ckdir), 1)["leaves"]}
+    assert kinds["w"] == "packed"   # 2 MiB over 8 devices: one on-device copy, transferred by the writer
+
+
+@pytest.mark.usefixtures("zarr_above_1mib")
 def test_blobs_go_to_a_disk_through_windows_kept_from_save_to_save_and_restore_exactly(ckdir, monkeypatch):
     """On a disk each blob of packed leaves is written on a chunk thread through one of the
     writer's page-aligned windows (at most one per chunk thread, kept for later saves), by
@@ -407,9 +460,12 @@ def test_blobs_go_to_a_disk_through_windows_kept_from_save_to_save_and_restore_e
     monkeypatch.setattr(writing_mod, "WINDOW_BYTES", 64 << 10)      # several windows per blob
     calls, real = [], chunkwrite.write_parts
 
-    def spy(path, parts, window, direct=True):
+    claimed = []
+
+    def spy(path, parts, window, direct=True, claim=None):
         calls.append((threading.current_thread().name, window.ctypes.data, direct))
-        return real(path, parts, window, direct)
+        got = lambda n, p: (claimed.append(claim(n, p)), claimed[-1])[1]
+        return real(path, parts, window, direct, claim=got)
 
     monkeypatch.setattr(chunkwrite, "write_parts", spy)
     rng = np.random.default_rng(0)
@@ -429,6 +485,8 @@ def test_blobs_go_to_a_disk_through_windows_kept_from_save_to_save_and_restore_e
             assert len(blobs) >= 4 and sum(map(os.path.getsize, blobs)) > int(sizes.sum())
     assert len(calls) >= 4 * 4 and all(name.startswith("ckpt-chunk") and direct for name, _, direct in calls)
     assert len({addr for _, addr, _ in calls}) <= 4   # one window per chunk thread at most, reused
+    # once the third save committed, retention deleted step 1: the fourth writes over its blobs in place
+    assert sum(c is not None for c in claimed) == len(blobs) >= 4
 
 
 @pytest.mark.parametrize("direct_io", [False, True], ids=["page cache", "O_DIRECT window"])
@@ -436,32 +494,26 @@ def test_a_failing_blob_write_under_a_budget_fails_the_save_instead_of_hanging(c
     import ckpt_callbacks.writing as writing_mod
     monkeypatch.setattr(writing_mod, "BLOB_MAX_BYTES", 1000)
 
-    class BlobFails(storage.LocalStore):
-        def write(self, rel, data, sync=True):
-            if "/blobs/" in rel:
-                raise OSError(28, "No space left on device (injected)")
-            return super().write(rel, data, sync)
-
     real_parts = chunkwrite.write_parts
 
-    def parts_fail(path, parts, window, direct=True):   # on a disk blobs go by O_DIRECT, on a chunk thread
+    def parts_fail(path, parts, window=None, direct=True, claim=None):   # blobs of a local store, on a chunk thread
         if "/blobs/" in path:
             raise OSError(28, "No space left on device (injected)")
-        return real_parts(path, parts, window, direct)
+        return real_parts(path, parts, window, direct, claim)
 
     monkeypatch.setattr(chunkwrite, "write_parts", parts_fail)
     m = cc.CheckpointManager(ckdir, max_staging_bytes=(2 << 20) + 100)
-    m.store = BlobFails(ckdir)
     m.store.direct_io = direct_io   # as LocalStore decides from the file system
     tree = {f"s{i}": np.full(75, i, np.float32) for i in range(4)}
-    tree["big"] = np.ones((512, 1024), np.float32)
+    tree["big"] = np.ones((1024, 1280), np.float32)   # a zarr array, larger than the budget
     done = threading.Event()
 
     def run():
         try:
             m.save(1, tree)
             m.wait_until_finished()
-        except cc.CheckpointSaveError:
+        except cc.CheckpointSaveError as e:
+            assert "No space left on device (injected)" in str(e)
             done.set()
 
     t = threading.Thread(target=run, daemon=True)
@@ -472,6 +524,7 @@ def test_a_failing_blob_write_under_a_budget_fails_the_save_instead_of_hanging(c
     m.close()
 
 
+@pytest.mark.usefixtures("zarr_above_1mib")
 def test_zarr_json_of_a_known_metadata_is_the_bytes_tensorstore_wrote(ckdir, monkeypatch):
     from ckpt_callbacks import writing
     monkeypatch.setattr(writing, "_ZARR_JSON", {})
@@ -522,6 +575,7 @@ def test_the_manager_keeps_its_writer_threads_from_save_to_save_and_close_ends_t
     assert_tree_equal(cc.CheckpointManager(ckdir, read_only=True).restore(5), {n: a + 5 for n, a in tree.items()})
 
 
+@pytest.mark.usefixtures("zarr_above_1mib")
 def test_a_small_host_state_is_written_over_a_deleted_steps_files_before_save_returns(ckdir, monkeypatch):
     from ckpt_callbacks import format as fmt, writing
     gate = threading.Event()          # holds the writer thread back until the checks below are done
@@ -589,6 +643,7 @@ def _tree_a(k):
             "b": r.standard_normal(64).astype(np.float32), "step": k}
 
 
+@pytest.mark.usefixtures("zarr_above_1mib")
 def test_a_deleted_steps_directory_becomes_the_next_saves_and_is_overwritten_in_place(ckdir, monkeypatch):
     """Steady state on a disk: no directory or file is created or deleted; every chunk file is
     rewritten in place, every zarr.json kept as it is (neither written nor fsynced again); the
@@ -623,6 +678,7 @@ def test_a_deleted_steps_directory_becomes_the_next_saves_and_is_overwritten_in_
     assert verify.verify_step(store, 3) == []
 
 
+@pytest.mark.usefixtures("zarr_above_1mib")
 def test_a_reused_directorys_zarr_json_is_written_again_unless_it_holds_this_saves_bytes(ckdir):
     """A zarr.json of the deleted step is kept only when its bytes are the ones this process
     wrote for the same metadata: a file edited meanwhile (or replaced by a link) is written anew."""
@@ -672,6 +728,7 @@ def test_a_reused_directory_keeps_nothing_of_the_deleted_step_when_the_tree_chan
         assert not os.path.isdir(p) or any(d == rel or d.startswith(rel + "/") for d in dirs)
 
 
+@pytest.mark.usefixtures("zarr_above_1mib")
 def test_files_hard_linked_elsewhere_are_never_written_in_a_reused_directory(ckdir, tmp_path):
     """`cp -al` of a step that retention then deletes: the next save reuses the directory but
     never writes into a linked file: chunks, blobs and the manifest are replaced, a zarr.json
