@@ -109,7 +109,9 @@ def write_parts(path: str, parts: list, window: np.ndarray | None = None, direct
     `write_chunk`: a deleted step's file of the blob's size, overwritten in place. With `direct`
     the parts are copied through `window`, a page-aligned uint8 buffer a whole number of
     `DIRECT_ALIGN` blocks long, and each full window goes to the device with ``O_DIRECT``, the
-    last one's whole blocks too, and only its last partial block through the page cache; without
+    last one's whole blocks too, and only its last partial block through the page cache; a
+    page-aligned part at a block boundary of the file goes by ``O_DIRECT`` from where it is,
+    but for its last partial block (`_write_through_window`); without
     it they go through the page cache with one ``pwritev`` (no window). Returns False when the
     file system refused direct I/O (what was left went through the page cache).
 
@@ -139,10 +141,12 @@ def write_parts(path: str, parts: list, window: np.ndarray | None = None, direct
 
 
 def _write_through_window(fd: int, path: str, parts: list, window: np.ndarray) -> bool:
-    """`write_parts` with ``O_DIRECT``: the parts copied through `window`."""
+    """`write_parts` with ``O_DIRECT``: the parts are copied through `window`, except the whole
+    blocks of a page-aligned part that starts at a block boundary of the file (a large packed
+    leaf's pool copy: `format.blob_align`), which go to the device straight from it."""
     win, fill, off, refused = memoryview(window), 0, 0, False
 
-    def put():   # the window's `fill` bytes to offset `off` (a multiple of the window's length)
+    def put():   # the window's `fill` bytes to offset `off` (a multiple of DIRECT_ALIGN)
         nonlocal refused
         done = 0
         if not refused:
@@ -151,6 +155,14 @@ def _write_through_window(fd: int, path: str, parts: list, window: np.ndarray) -
 
     for part in parts:
         src = memoryview(part).cast("B")
+        if not refused and len(src) >= DIRECT_ALIGN and (off + fill) % DIRECT_ALIGN == 0:
+            address = np.frombuffer(src, np.uint8).ctypes.data
+            if address % DIRECT_ALIGN == 0:
+                if fill:   # whole blocks (the part starts at a block boundary)
+                    put()
+                    off, fill = off + fill, 0
+                done, refused = _write_direct_blocks(fd, src, address, off)
+                off, src = off + done, src[done:]   # its last partial block goes through the window
         while len(src):
             k = min(len(src), len(win) - fill)
             win[fill:fill + k] = src[:k]

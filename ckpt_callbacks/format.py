@@ -97,6 +97,13 @@ def chunk_key(idx) -> str:
 
 
 BLOB_ALIGN = 64   # where each packed leaf's bytes start in its blob file (CPU devices adopt them)
+BLOB_PAGE = 4096               # ... and those of a leaf of at least BLOB_PAGE_MIN bytes: a
+BLOB_PAGE_MIN = 64 << 10       # page-aligned copy of it goes to a disk by O_DIRECT as it is
+
+
+def blob_align(nbytes: int) -> int:
+    """Where a packed leaf of `nbytes` starts in its blob: at a multiple of this."""
+    return BLOB_PAGE if nbytes >= BLOB_PAGE_MIN else BLOB_ALIGN
 
 
 def _bin_head(size: int) -> bytes:
@@ -104,30 +111,44 @@ def _bin_head(size: int) -> bytes:
             b"\xc5" + size.to_bytes(2, "big") if size < 1 << 16 else b"\xc6" + size.to_bytes(4, "big"))
 
 
-def pack_bins(items: list, align: int = 1) -> tuple[list, list]:
+def pack_bins(items: list, align=1) -> tuple[list, list]:
     """A msgpack array of bin entries, as a list of buffers to write one after another, and the
     entry index of each item (the same bytes as ``msgpack.packb(items)`` when ``align`` is 1, and
     without copying the items into one buffer first).
 
-    With ``align`` > 1 a padding bin entry goes before each item so that the item's bytes start
-    at a multiple of ``align`` in the file: a reader that loads the file into an aligned buffer
-    can hand views of it to devices without copying. Any msgpack reader sees a plain array of
-    bins; items are found by the returned indices (the manifest's ``bi``)."""
-    n = len(items) * (2 if align > 1 else 1)
+    With ``align`` > 1 (an int, or one per item) a padding bin entry goes before each item so that
+    the item's bytes start at a multiple of its ``align`` (at most 65536) in the file: a reader
+    that loads the file into an aligned buffer can hand views of it to devices without copying,
+    and a writer can send a page-aligned item to a disk by ``O_DIRECT`` straight from its buffer.
+    Any msgpack reader sees a plain array of bins; items are found by the returned indices (the
+    manifest's ``bi``)."""
+    aligns = list(align) if isinstance(align, (list, tuple)) else [align] * len(items)
+    padded = any(a > 1 for a in aligns)
+    n = len(items) * (2 if padded else 1)
     out = [bytes([0x90 | n]) if n < 16 else (b"\xdc" + n.to_bytes(2, "big") if n < 1 << 16
                                               else b"\xdd" + n.to_bytes(4, "big"))]
     pos, index, k = len(out[0]), [], 0
-    for it in items:
+    for it, a in zip(items, aligns):
         size = memoryview(it).nbytes
         head = _bin_head(size)
-        if align > 1:
-            pad = -(pos + 2 + len(head)) % align
-            out.append(_bin_head(pad) + bytes(pad))   # pad < 256: a two-byte head
-            pos, k = pos + 2 + pad, k + 1
+        if padded:
+            pad = _padding(pos, len(head), a)
+            out.append(pad)
+            pos, k = pos + len(pad), k + 1
         index.append(k)
         out += [head, it]
         pos, k = pos + len(head) + size, k + 1
     return out, index
+
+
+def _padding(pos: int, head: int, align: int) -> bytes:
+    """A bin entry of zeros after which, at offset `pos`, an entry head of `head` bytes ends at a
+    multiple of `align`: a bin8 entry where its zeros are fewer than 256, else a bin16 one."""
+    pad = -(pos + 2 + head) % align
+    if pad < 1 << 8:
+        return b"\xc4" + bytes([pad]) + bytes(pad)
+    pad = -(pos + 3 + head) % align
+    return b"\xc5" + pad.to_bytes(2, "big") + bytes(pad)
 
 
 def bin_entries(buf) -> list[tuple[int, int]]:

@@ -496,7 +496,7 @@ def _consume(store, staging, snap, items, arrays, budget, workers):
         if not blob:
             return
         rel = f"blobs/p{snap.process_index}-{nblob}.msgpack"
-        parts, index = fmt.pack_bins(blob, align=fmt.BLOB_ALIGN)
+        parts, index = fmt.pack_bins(blob, align=[fmt.blob_align(b.nbytes) for b in blob])
         if chunk_pool:
             # a local store: on a chunk thread (the writer goes on meanwhile), over a deleted
             # step's blob where one is kept, fsynced early as chunk files are

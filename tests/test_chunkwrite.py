@@ -336,6 +336,34 @@ def test_blob_parts_go_to_the_device_through_a_window(direct_dir, monkeypatch, s
     assert open(path, "rb").read() == b"".join(bytes(p) for p in parts)
 
 
+def test_a_page_aligned_leaf_at_a_block_boundary_of_the_blob_goes_to_the_device_from_its_own_buffer(
+        direct_dir, monkeypatch):
+    """A large packed leaf starts at a multiple of 4 KiB in its blob (`format.blob_align`); its
+    pool copy is page-aligned: its whole blocks are written by O_DIRECT straight from it, not
+    copied through the window first. Smaller or unaligned parts still go through the window."""
+    rng = np.random.default_rng(7)
+    big = page_aligned(rng.integers(0, 256, 3 * 4096 + 100, np.uint8))    # 3 whole blocks and a tail
+    unaligned = rng.integers(0, 256, 2 * 4096 + 1, np.uint8)[1:]             # whole blocks, but off the page grid
+    small = rng.integers(0, 256, 300, np.uint8)
+    items = [small, big, unaligned, big]
+    parts, index = fmt.pack_bins([memoryview(x) for x in items], align=[64, 4096, 4096, 4096])
+    seen = spy_direct(monkeypatch)
+    path = direct_dir / "blob"
+    win = window(2)
+    assert chunkwrite.write_parts(str(path), parts, win) is True
+    data = path.read_bytes()
+    entries = fmt.bin_entries(data)
+    for x, i in zip(items, index):
+        off, n = entries[i]
+        assert data[off:off + n] == x.tobytes()
+    starts = [entries[index[1]][0], entries[index[3]][0]]
+    # the window's blocks before each big leaf, then the big leaf's 3 blocks at its own offset
+    assert [(off, n) for kind, off, n, direct in seen if direct and n == 3 * 4096 and off in starts] == \
+        [(starts[0], 3 * 4096), (starts[1], 3 * 4096)]
+    assert sum(n for _, _, n, _ in seen) == len(data)   # every byte written once
+    assert [w for w in seen if not w[3]] == [("pwritev", len(data) - len(data) % 4096, len(data) % 4096, False)]
+
+
 def test_blob_parts_without_direct_io_or_refused_go_through_the_page_cache(direct_dir, monkeypatch):
     parts = blob_parts(2, [5000, 30_000, 11])
     seen = spy_direct(monkeypatch)

@@ -134,6 +134,26 @@ def test_aligned_blobs_start_every_item_on_the_boundary_and_stay_plain_msgpack()
     check()
 
 
+def test_items_of_a_blob_start_on_each_ones_own_boundary_up_to_a_page_and_beyond_bin8_padding():
+    from hypothesis import given, settings, strategies as st
+
+    @settings(max_examples=200, deadline=None)
+    @given(st.lists(st.tuples(st.binary(max_size=300), st.sampled_from([1, 64, 512, 4096, 65536])), max_size=30))
+    def check(pairs):
+        items, aligns = [p[0] for p in pairs] + [b"z" * 70_000], [p[1] for p in pairs] + [4096]
+        parts, index = fmt.pack_bins(items, align=aligns)
+        blob = b"".join(bytes(p) for p in parts)
+        decoded = msgpack.unpackb(blob)
+        assert [decoded[i] for i in index] == items
+        entries = fmt.bin_entries(blob)
+        for i, item, a in zip(index, items, aligns):
+            off, n = entries[i]
+            assert off % a == 0 and blob[off:off + n] == item
+
+    check()
+    assert [fmt.blob_align(n) for n in (0, 100, (64 << 10) - 1, 64 << 10, 4 << 20)] == [64, 64, 64, 4096, 4096]
+
+
 @pytest.mark.parametrize("blob", [b"", b"\x91", b"\x91\xc4\x05abc", b"\x91\xa3abc", b"\x80",
                                   b"\x91\xc4\x01ab", b"\xdc\x00", b"\x92\xc4\x00"])
 def test_bin_entries_refuses_anything_but_an_exact_array_of_bins(blob):

@@ -148,13 +148,15 @@ def test_blobs_of_a_deleted_step_are_written_over_in_place_and_every_step_restor
         blobs = sorted(glob.glob(os.path.join(ckdir, f"step_{step:010d}", "blobs", "*")))
         return [os.stat(b).st_ino for b in blobs]
 
-    expected, inodes = {}, {}
+    expected, inodes, claimed = {}, {}, []
     with cc.CheckpointManager(ckdir, retention=cc.KeepLast(2)) as m:
         m.store.direct_io, m.store.in_memory = direct_io, in_memory   # as LocalStore decides from the file system
+        real_claim = m.store.claim
+        m.store.claim = lambda n, p=None: (claimed.append((p, real_claim(n, p))), claimed[-1][1])[1]
         for k in range(1, 6):
             expected[k] = state(k)
             m.save(k, expected[k])
-            m.wait_until_finished()
+            m._wait()   # the save and its retention, which keeps the deleted step's files for the next
             inodes[k] = blob_inodes(k)
             assert len(inodes[k]) == 1 and not glob.glob(os.path.join(ckdir, f"step_{k:010d}", "arrays"))
         assert m.all_steps() == [4, 5]
@@ -162,6 +164,8 @@ def test_blobs_of_a_deleted_step_are_written_over_in_place_and_every_step_restor
             assert_tree_equal(m.restore(k), expected[k])
             assert verify_step(m.store, k) == []
     assert inodes[4] == inodes[1] and inodes[5] == inodes[2]   # step 1's blob became step 4's
+    blobs = [(p, got) for p, got in claimed if "/blobs/" in p]
+    assert len(blobs) == 5 and [got is not None for _, got in blobs] == [False] * 3 + [True] * 2
 
 
 def test_bools_are_checked_for_bytes_other_than_0_and_1_off_the_callers_thread(ckdir, monkeypatch):
