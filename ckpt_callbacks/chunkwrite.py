@@ -44,6 +44,7 @@ from . import layout
 __all__ = ["pieces", "file_bytes", "write_chunk", "write_parts", "chunk_crcs"]
 
 DIRECT_ALIGN = 4096   # O_DIRECT: buffer address, file offset and length in whole blocks of this size
+_IOV_MAX = 1024       # buffers per pwritev call (Linux's IOV_MAX; a blob of 2,000 leaves has ~6,000)
 
 
 def pieces(rec: dict, box, data: np.ndarray) -> list | None:
@@ -180,7 +181,7 @@ def _pwrite_all(fd: int, bufs: list, off: int, path: str) -> None:
     may write less than asked: it goes on from where it stopped)."""
     bufs = [b for b in bufs if len(b)]
     while bufs:
-        n = os.pwritev(fd, bufs, off)
+        n = os.pwritev(fd, bufs[:_IOV_MAX], off)   # (more buffers than IOV_MAX: EINVAL)
         if not n:
             raise OSError(errno.EIO, f"writing {path} made no progress")
         off += n

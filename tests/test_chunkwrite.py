@@ -382,6 +382,12 @@ def test_blob_parts_without_direct_io_or_refused_go_through_the_page_cache(direc
         assert open(direct_dir / name, "rb").read() == b"".join(bytes(p) for p in parts)
 
 
+def test_a_blob_of_more_parts_than_one_pwritev_takes_is_written_whole(tmp_path):
+    parts = blob_parts(8, [1 + k % 7 for k in range(3000)])   # IOV_MAX is 1024 on Linux
+    assert chunkwrite.write_parts(str(tmp_path / "blob"), parts, direct=False) is True
+    assert (tmp_path / "blob").read_bytes() == b"".join(bytes(p) for p in parts)
+
+
 def test_a_blob_replaces_a_file_hard_linked_elsewhere_and_refuses_a_misaligned_window(direct_dir):
     path, backup = direct_dir / "blob", direct_dir / "backup"
     path.write_bytes(b"old" * 5000)
