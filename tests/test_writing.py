@@ -168,6 +168,17 @@ def test_blobs_of_a_deleted_step_are_written_over_in_place_and_every_step_restor
     assert len(blobs) == 5 and [got is not None for _, got in blobs] == [False] * 3 + [True] * 2
 
 
+@pytest.mark.parametrize("direct_io,in_memory", [(False, False), (False, True)], ids=["page cache", "in memory (tmpfs)"])
+def test_a_blob_of_thousands_of_small_leaves_saves_and_restores_off_a_disk(ckdir, direct_io, in_memory):
+    rng = np.random.default_rng(3)
+    tree = {f"l{i}": rng.standard_normal(1 + i % 50).astype(np.float32) for i in range(2500)}
+    with cc.CheckpointManager(ckdir) as m:
+        m.store.direct_io, m.store.in_memory = direct_io, in_memory   # as LocalStore decides from the file system
+        m.save(1, tree)
+        m.wait_until_finished()
+        assert_tree_equal(m.restore(1), tree)
+
+
 def test_bools_are_checked_for_bytes_other_than_0_and_1_off_the_callers_thread(ckdir, monkeypatch):
     """The check (and a copy where a byte is not 0/1) ran in the snapshot on a memory file
     system, stalling the caller for bools that are then copied and written later anyway."""
