@@ -15,8 +15,8 @@ measured, so a hang later loses no earlier row); it creates and removes director
 ``wait`` returns (bytes fsynced and committed); ``restore_s`` = restore onto the target's shardings
 until ready, after the files were evicted from the page cache (``cache="cold"``; no-op on tmpfs).
 Per column the best of ``repeats`` is reported (the machine is shared: the minimum is the least
-disturbed); ckpt_callbacks and raw write+fsync, whose ratio is a target, take turns repeat by
-repeat; ``peak_rss`` is the highest host RSS above the live state seen during save+wait.
+disturbed); the peers of big and small take turns, round by round, since the targets are their
+ratios; ``peak_rss`` is the highest host RSS above the live state seen during save+wait.
 """
 
 from __future__ import annotations
@@ -174,13 +174,8 @@ def _sample(ctx, workload, name, base, target, r, options=None, case="") -> dict
                 files=files, disk_bytes=size, correct=ok)
 
 
-def measure_raw(ctx, workload: str, nbytes: int) -> dict:
-    """Plain write+fsync of the same byte count in 64 MiB chunks to 4 files; read back cold."""
-    samples = [_raw_sample(ctx, workload, nbytes, r) for r in range(ctx.repeats)]
-    return _row(ctx, workload, "raw", case="write+fsync", **_best(samples, nbytes))
-
-
 def _raw_sample(ctx, workload: str, nbytes: int, r: int) -> dict:
+    """Plain write+fsync of the same byte count in 64 MiB chunks to 4 files; read back cold."""
     d = os.path.join(ctx.root, f"raw-{r}")
     shutil.rmtree(d, ignore_errors=True)
     bp._random_buffer(min(bp.RAW_CHUNK, -(-nbytes // 4)))
@@ -202,44 +197,44 @@ def _raw_sample(ctx, workload: str, nbytes: int, r: int) -> dict:
                 files=files, disk_bytes=size, correct=got == nbytes)
 
 
-def _paired(ctx, base, target, workload):
-    """ckpt_callbacks and raw write+fsync take turns (ours first on even rounds, raw first on odd
-    ones), so that a slow stretch of this shared disk hits both alike: the disk target is their
-    ratio, which swung from run to run when raw ran minutes later (docs/benchmarks.md)."""
+def _in_turns(ctx, base, target, workload):
+    """Every peer saves and restores once per round, in the order of ``ctx.peers`` on even rounds
+    and in reverse on odd ones, so that a slow stretch of this shared machine (its disk, or the
+    price of fresh memory, which moves from hour to hour: docs/benchmarks.md) hits all of them
+    alike: the targets are ratios of ckpt_callbacks to raw (disk) and to Orbax (tmpfs), which
+    swung from run to run while each peer ran its repeats minutes apart from the others. A peer
+    whose save took over ``ctx.slow_s`` is not repeated; each peer's row is yielded as soon as it
+    has its last sample (a hang later loses no earlier row)."""
     nbytes = tree_bytes(base)
-    ours, raw = [], []   # neither peer can be unavailable
+    samples: dict = {name: [] for name in ctx.peers}
+    done: set = set()
     for r in range(ctx.repeats):
-        for name in (("ckpt_callbacks", "raw") if r % 2 == 0 else ("raw", "ckpt_callbacks")):
-            if name == "raw":
-                raw.append(_raw_sample(ctx, workload, nbytes, r))
-            else:
-                ours.append(_sample(ctx, workload, name, base, target, r))
-    yield _row(ctx, workload, "ckpt_callbacks", case="", **_best(ours, nbytes))
-    yield _row(ctx, workload, "raw", case="write+fsync", **_best(raw, nbytes))
-
-
-def _peers(ctx, base, target, workload):
-    paired = "ckpt_callbacks" in ctx.peers and "raw" in ctx.peers
-    if paired:
-        yield from _paired(ctx, base, target, workload)
-    for name in ctx.peers:
-        if paired and name in ("ckpt_callbacks", "raw"):
-            continue
-        if name == "raw":
-            yield measure_raw(ctx, workload, tree_bytes(base))
-        else:
-            yield measure(ctx, workload, name, base, target)
+        for name in (ctx.peers if r % 2 == 0 else ctx.peers[::-1]):
+            if name in done:
+                continue
+            try:
+                s = _raw_sample(ctx, workload, nbytes, r) if name == "raw" else \
+                    _sample(ctx, workload, name, base, target, r)
+            except bp.Unavailable as e:
+                done.add(name)
+                yield _row(ctx, workload, name, case="", skipped=str(e))
+                continue
+            samples[name].append(s)
+            if r == ctx.repeats - 1 or s["durable_s"] > ctx.slow_s:
+                done.add(name)
+                yield _row(ctx, workload, name, case="write+fsync" if name == "raw" else "",
+                           **_best(samples[name], nbytes))
 
 
 # -- workloads ---------------------------------------------------------------------------------
 def run_big(ctx: Context):
     base = big_tree(ctx.scale)
-    yield from _peers(ctx, base, abstract(base), "big")
+    yield from _in_turns(ctx, base, abstract(base), "big")
 
 
 def run_small(ctx: Context):
     base = small_tree(ctx.scale)
-    yield from _peers(ctx, base, abstract(base), "small")
+    yield from _in_turns(ctx, base, abstract(base), "small")
 
 
 def run_reshard(ctx: Context):

@@ -203,21 +203,51 @@ def test_a_cell_past_its_timeout_is_reported_not_waited_for(tmp_path, capsys):
         "did not finish within --cell-timeout 0.5 s (a hang?); rows measured before are kept"]
 
 
-def test_ours_and_raw_take_turns_so_the_disk_ratio_is_paired(tmp_path, devices):
-    """The disk target is ours / raw write+fsync: the two alternate round by round (ours first,
-    then raw first), each repeat reported, while other peers run their repeats as before."""
+def test_the_peers_take_turns_so_each_ratio_is_paired(tmp_path, devices):
+    """The targets are ratios (ours / raw write+fsync on disk, ours / Orbax on tmpfs): every peer
+    saves once per round, in the order given on even rounds and reversed on odd ones, each
+    repeat reported; a row comes out when its peer has its last sample."""
     from ckpt_callbacks import bench_workloads as bw
     said = []
     ctx = bw.Context(root=str(tmp_path), storage="disk", scale=0.001, repeats=3,
                      peers=("ckpt_callbacks", "np.savez", "raw"), log=said.append)
     rows = list(bw.WORKLOADS["big"](ctx))
     order = [m.split()[1] for m in said if "#" in m]
-    assert order == ["ckpt_callbacks", "raw", "raw", "ckpt_callbacks", "ckpt_callbacks", "raw",
-                     "np.savez", "np.savez", "np.savez"]
+    assert order == ["ckpt_callbacks", "np.savez", "raw", "raw", "np.savez", "ckpt_callbacks",
+                     "ckpt_callbacks", "np.savez", "raw"]
     got = {r["peer"]: r for r in rows}
-    assert [r["peer"] for r in rows] == ["ckpt_callbacks", "raw", "np.savez"]
+    assert [r["peer"] for r in rows] == ["ckpt_callbacks", "np.savez", "raw"]
+    assert got["raw"]["case"] == "write+fsync" and got["np.savez"]["case"] == ""
     assert all(got[p]["repeats"] == 3 and got[p]["correct"] for p in got)
     assert got["ckpt_callbacks"]["durable_s"] == pytest.approx(min(s["durable_s"] for s in got["ckpt_callbacks"]["samples"]), abs=1e-4)
+    assert got["raw"]["durable_s"] == pytest.approx(min(s["durable_s"] for s in got["raw"]["samples"]), abs=1e-4)
+
+
+def test_a_slow_peer_is_not_repeated_and_a_missing_one_is_skipped_while_the_others_take_turns(
+        tmp_path, devices, monkeypatch):
+    from ckpt_callbacks import bench_peers as bp
+    from ckpt_callbacks import bench_workloads as bw
+
+    def missing(path, **kw):
+        raise bp.Unavailable("orbax-checkpoint is not installed")
+    monkeypatch.setitem(bp.PEERS, "orbax", missing)
+    real = bw._sample
+
+    def slow_savez(ctx, workload, name, *a, **kw):
+        s = real(ctx, workload, name, *a, **kw)
+        return {**s, "durable_s": ctx.slow_s + 1} if name == "np.savez" else s
+    monkeypatch.setattr(bw, "_sample", slow_savez)
+    said = []
+    ctx = bw.Context(root=str(tmp_path), storage="tmpfs", scale=0.001, repeats=2,
+                     peers=("ckpt_callbacks", "orbax", "np.savez", "raw"), log=said.append)
+    rows = list(bw.WORKLOADS["small"](ctx))
+    order = [m.split()[1] for m in said if "#" in m]
+    assert order == ["ckpt_callbacks", "np.savez", "raw", "raw", "ckpt_callbacks"]
+    assert [(r["peer"], r.get("skipped"), r.get("repeats")) for r in rows] == [
+        ("orbax", "orbax-checkpoint is not installed", None), ("np.savez", None, 1),
+        ("raw", None, 2), ("ckpt_callbacks", None, 2)]
+    assert all(r["correct"] for r in rows if "skipped" not in r)
+    assert not os.listdir(tmp_path)   # every peer's directory removed
 
 
 def test_fit_runs_in_a_child_with_glibcs_default_mmap_threshold(monkeypatch):
