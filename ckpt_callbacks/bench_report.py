@@ -153,7 +153,8 @@ def render(result) -> str:
     for wl, st in _cells(rows):
         cell = [r for r in rows if (r["workload"], r["storage"]) == (wl, st)]
         skipped = [f"  {r['peer']}: skipped: {r['skipped']}" for r in cell if r.get("skipped")]
-        cell = [r for r in cell if not r.get("skipped")]
+        # this package's rows first (peers that took turns come out in the order they finished)
+        cell = sorted((r for r in cell if not r.get("skipped")), key=lambda r: r["peer"] != ENGINE)
         nbytes = max([r.get("bytes") or 0 for r in cell] or [0])
         parts.append(f"== {wl} on {st} ({nbytes / MiB:.0f} MiB; times in s, best of the repeats) ==")
         if wl in ("big", "small", "memory"):

@@ -282,3 +282,14 @@ def test_each_timed_fit_starts_after_a_full_garbage_collection(tmp_path, monkeyp
     assert {r["peer"] for r in timed} >= {"none", "ckpt_callbacks", "keras-ModelCheckpoint"}
     n = sum(r["repeats"] for r in timed)
     assert events == ["gc", "clock", "clock"] * n   # collected, then the fit's start and end read
+
+
+def test_the_table_lists_this_package_first_whatever_order_the_peers_finished_in():
+    """Peers take turns and a slow one (Orbax on small: one save of minutes) finishes first."""
+    def row(peer, t):
+        return {"workload": "small", "storage": "tmpfs", "peer": peer, "case": "", "blocking_s": t,
+                "durable_s": t, "restore_s": t, "peak_rss": 0, "files": 1, "disk_bytes": 1 << 20,
+                "bytes": 1 << 20, "repeats": 1, "correct": True}
+    text = render({"rows": [row("orbax", 140.0), row("ckpt_callbacks", 0.2), row("np.savez", 0.3)]})
+    lines = [ln.split()[0] for ln in text.splitlines() if ln.split()[:1] in (["orbax"], ["ckpt_callbacks"], ["np.savez"])]
+    assert lines[:3] == ["ckpt_callbacks", "orbax", "np.savez"]
