@@ -58,7 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workloads", type=_csv(WORKLOAD_NAMES), default=list(WORKLOAD_NAMES),
                    help=f"comma-separated subset of {','.join(WORKLOAD_NAMES)} (default: all)")
     p.add_argument("--peers", type=_csv(PEER_NAMES), default=list(PEER_NAMES),
-                   help=f"comma-separated subset of {','.join(PEER_NAMES)} (default: all importable)")
+                   help=f"comma-separated subset of {','.join(PEER_NAMES)} (default: all importable); "
+                        "on big and small they take turns in this order, reversed every other round")
     p.add_argument("--storage", type=_csv(("tmpfs", "disk")), default=["tmpfs", "disk"],
                    help="where to write: tmpfs,disk (default: both)")
     p.add_argument("--scale", type=float, default=1.0,
