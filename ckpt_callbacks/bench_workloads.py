@@ -128,15 +128,7 @@ def _best(samples: list, nbytes: int) -> dict:
 
 def measure(ctx, workload: str, name: str, base, target, *, options=None, case: str = "") -> dict:
     """Save fresh arrays with peer `name` in a new directory, wait, restore (cold); best of repeats."""
-    samples = []
-    for r in range(ctx.repeats):
-        try:
-            samples.append(_sample(ctx, workload, name, base, target, r, options, case))
-        except bp.Unavailable as e:
-            return _row(ctx, workload, name, case=case, skipped=str(e))
-        if samples[-1]["durable_s"] > ctx.slow_s:
-            break
-    return _row(ctx, workload, name, case=case, **_best(samples, tree_bytes(base)))
+    return next(_in_turns(ctx, workload, base, target, (name,), options, case))
 
 
 def _sample(ctx, workload, name, base, target, r, options=None, case="") -> dict:
@@ -197,8 +189,8 @@ def _raw_sample(ctx, workload: str, nbytes: int, r: int) -> dict:
                 files=files, disk_bytes=size, correct=got == nbytes)
 
 
-def _in_turns(ctx, base, target, workload):
-    """Every peer saves and restores once per round, in the order of ``ctx.peers`` on even rounds
+def _in_turns(ctx, workload, base, target, peers, options=None, case=""):
+    """Every peer saves and restores once per round, in the order of `peers` on even rounds
     and in reverse on odd ones, so that a slow stretch of this shared machine (its disk, or the
     price of fresh memory, which moves from hour to hour: docs/benchmarks.md) hits all of them
     alike: the targets are ratios of ckpt_callbacks to raw (disk) and to Orbax (tmpfs), which
@@ -206,35 +198,35 @@ def _in_turns(ctx, base, target, workload):
     whose save took over ``ctx.slow_s`` is not repeated; each peer's row is yielded as soon as it
     has its last sample (a hang later loses no earlier row)."""
     nbytes = tree_bytes(base)
-    samples: dict = {name: [] for name in ctx.peers}
+    samples: dict = {name: [] for name in peers}
     done: set = set()
     for r in range(ctx.repeats):
-        for name in (ctx.peers if r % 2 == 0 else ctx.peers[::-1]):
+        for name in (peers if r % 2 == 0 else peers[::-1]):
             if name in done:
                 continue
             try:
                 s = _raw_sample(ctx, workload, nbytes, r) if name == "raw" else \
-                    _sample(ctx, workload, name, base, target, r)
+                    _sample(ctx, workload, name, base, target, r, options, case)
             except bp.Unavailable as e:
                 done.add(name)
-                yield _row(ctx, workload, name, case="", skipped=str(e))
+                yield _row(ctx, workload, name, case=case, skipped=str(e))
                 continue
             samples[name].append(s)
             if r == ctx.repeats - 1 or s["durable_s"] > ctx.slow_s:
                 done.add(name)
-                yield _row(ctx, workload, name, case="write+fsync" if name == "raw" else "",
+                yield _row(ctx, workload, name, case="write+fsync" if name == "raw" else case,
                            **_best(samples[name], nbytes))
 
 
 # -- workloads ---------------------------------------------------------------------------------
 def run_big(ctx: Context):
     base = big_tree(ctx.scale)
-    yield from _in_turns(ctx, base, abstract(base), "big")
+    yield from _in_turns(ctx, "big", base, abstract(base), tuple(ctx.peers))
 
 
 def run_small(ctx: Context):
     base = small_tree(ctx.scale)
-    yield from _in_turns(ctx, base, abstract(base), "small")
+    yield from _in_turns(ctx, "small", base, abstract(base), tuple(ctx.peers))
 
 
 def run_reshard(ctx: Context):
