@@ -88,11 +88,7 @@ def write_chunk(path: str, view: np.ndarray, sync: bool = True, claim=None, dire
     raw = memoryview(flat)
     value = fmt.crc32c(raw)
     crc = value.to_bytes(4, "little")
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    fd = _reuse(path, file_bytes(view), claim) if claim is not None else None
-    if fd is None:
-        _unlink(path)   # a file there (a reused staging directory) may be hard-linked elsewhere
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    fd = _open_for_write(path, file_bytes(view), claim)
     try:
         off, refused = _write_direct_blocks(fd, raw, flat.ctypes.data) if direct else (0, False)
         _pwrite_all(fd, [raw[off:], memoryview(crc)], off, path)
@@ -126,12 +122,7 @@ def write_parts(path: str, parts: list, window: np.ndarray | None = None, direct
     Called on the writer's chunk pool (`writing._write_blob`), one window per call."""
     if direct and (window is None or len(window) % DIRECT_ALIGN or window.ctypes.data % DIRECT_ALIGN):
         raise ValueError("the window must be page-aligned and a whole number of blocks long")
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    total = sum(memoryview(p).nbytes for p in parts)
-    fd = _reuse(path, total, claim) if claim is not None else None
-    if fd is None:
-        _unlink(path)   # a file there (a reused staging directory) may be hard-linked elsewhere
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    fd = _open_for_write(path, sum(memoryview(p).nbytes for p in parts), claim)
     try:
         if not direct:
             _pwrite_all(fd, [memoryview(p).cast("B") for p in parts], 0, path)
@@ -275,6 +266,17 @@ def _write_direct_blocks(fd: int, raw: memoryview, address: int, base: int = 0) 
 
 
 _REFUSED = {errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP}   # no direct I/O here, or not this alignment
+
+
+def _open_for_write(path: str, nbytes: int, claim) -> int:
+    """An fd open for writing the file at `path` (its directory made) of `nbytes`: a claimed
+    file overwritten in place (`_reuse`), else a new file replacing whatever was there."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd = _reuse(path, nbytes, claim) if claim is not None else None
+    if fd is None:
+        _unlink(path)   # a file there (a reused staging directory) may be hard-linked elsewhere
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    return fd
 
 
 def _reuse(path: str, nbytes: int, claim) -> int | None:
