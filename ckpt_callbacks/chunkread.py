@@ -24,7 +24,7 @@ Chunks that several target shards share (a restore onto another mesh) are read o
 rows at a time into a small buffer, each band checked into the running CRC and split among the
 shards while it is still in cache (on tmpfs too: there a read-only mapping of each such chunk
 file, which skips the band's copy, was faster on one test VM and slower on another; see
-docs/benchmarks.md). Destination buffers are 64-byte aligned (`aligned_empty`): the kernel's
+docs/benchmarks-log.md). Destination buffers are 64-byte aligned (`aligned_empty`): the kernel's
 copy into a 16-byte-aligned numpy buffer runs at a third of the speed on some x86 CPUs. Arrays
 with other codecs and object stores go through tensorstore (restore.leaf_reader.read_boxes).
 
@@ -57,7 +57,7 @@ def aligned_empty(shape, dtype, align: int = 64) -> np.ndarray:
     """An uninitialised host buffer aligned to `align` bytes (64 by default: a CPU device adopts it
     without a copy, and the kernel copies file data into it ~3x faster than into numpy's own
     16-byte-aligned buffers: ``preadv`` from tmpfs on this project's AMD EPYC test machine; see
-    docs/benchmarks.md). numpy's allocation, `align` bytes more, sliced."""
+    docs/benchmarks-log.md). numpy's allocation, `align` bytes more, sliced."""
     dtype = np.dtype(dtype)
     n = math.prod(shape) * dtype.itemsize
     raw = np.empty(n + align, np.uint8)

@@ -235,7 +235,7 @@ def _write_direct_blocks(fd: int, raw: memoryview, address: int, base: int = 0) 
 
     Why: a page-aligned `snapshot.HostPool` buffer goes from memory to the device without
     filling new page-cache pages, which on a VM whose host takes back freed memory cost ~8x the
-    CPU of the copy itself (docs/benchmarks.md), and without evicting the user's own cached data.
+    CPU of the copy itself (docs/benchmarks-log.md), and without evicting the user's own cached data.
     The file is fsynced as usual afterwards: ``O_DIRECT`` alone does not make it durable."""
     body = len(raw) - len(raw) % DIRECT_ALIGN
     if not body or address % DIRECT_ALIGN or not hasattr(os, "O_DIRECT"):

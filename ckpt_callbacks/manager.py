@@ -339,7 +339,7 @@ class CheckpointManager:
         # copies into the pool (CPU training) its start, first chunk CRCs and write submissions
         # use the cores that the paused training leaves idle, where later they would be taken
         # from training (Keras fit on disk, 2 vCPUs, six interleaved A/Bs: per-round median
-        # overheads 2-10 points lower, hooks ~1 ms longer; docs/benchmarks.md).
+        # overheads 2-10 points lower, hooks ~1 ms longer; docs/benchmarks-log.md).
         self._thread = threading.Thread(target=run, name=f"ckpt_callbacks-save-{step}", daemon=True)
         self._thread.start()
         try:

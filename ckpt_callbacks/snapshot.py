@@ -162,7 +162,7 @@ def host_empty(nbytes: int) -> np.ndarray:
     here), and malloc hands those pages back without a fault. A fresh mapping faults in new pages,
     which a VM whose balloon reports free memory to its host (this project's test VM) pays ~3 ms
     per MiB for: the first save of a 30 MiB Keras state took 12-94 ms in its pool copy (median of
-    six fresh processes ~73 ms), against 9-70 ms (~27 ms) from the heap (docs/benchmarks.md).
+    six fresh processes ~73 ms), against 9-70 ms (~27 ms) from the heap (docs/benchmarks-log.md).
     Where the heap has no room, malloc maps fresh pages itself and the first copy faults them in.
     Not numpy's own allocation: numpy asks for transparent huge pages on every buffer of 4 MiB
     and more, and under the kernel's default defrag mode (``madvise``) a fault there may first
