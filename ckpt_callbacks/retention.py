@@ -192,7 +192,9 @@ def retention_from_config(config: Mapping, where: str = "retention") -> list[Pol
     """Build policies from a dict such as ``{"keep_last": 3, "keep_best": {"metric": "val_loss"}}``.
 
     Unknown keys and bad values raise ConfigError naming the key. A key set to None counts as
-    absent; with no key set the list is empty, and an empty list keeps every step.
+    absent, and so does an empty ``keep_steps`` (a YAML ``keep_steps: []`` means "no milestones",
+    not "keep nothing": alone, as a policy keeping no step, it would delete all but the newest);
+    with no key set the list is empty, and an empty list keeps every step.
     """
     if not isinstance(config, Mapping):
         raise ConfigError(f"{where} must be a mapping, got {type(config).__name__}")
@@ -200,7 +202,7 @@ def retention_from_config(config: Mapping, where: str = "retention") -> list[Pol
     for key, value in config.items():
         if key not in _KEYS:
             raise ConfigError(f"{where}.{key}: unknown retention key; expected one of {list(_KEYS)}")
-        if value is None:
+        if value is None or (key == "keep_steps" and isinstance(value, (list, tuple)) and not value):
             continue
         try:
             if key == "keep_last":

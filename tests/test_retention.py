@@ -117,3 +117,6 @@ def test_no_policy_keeps_everything():
     assert decide(None, infos) == decide([], infos) == {1, 2, 3}
     assert as_policies([]) is None and as_policies({}) is None and as_policies({"keep_last": None}) is None
     assert retention_from_config({"keep_last": None, "keep_every": None}) == []
+    # an empty keep_steps is "no milestones", not a policy keeping no step (which deletes all but the newest)
+    assert retention_from_config({"keep_steps": []}) == [] and as_policies({"keep_steps": ()}) is None
+    assert retention_from_config({"keep_steps": [], "keep_last": 2}) == [cc.KeepLast(2)]
