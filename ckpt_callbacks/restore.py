@@ -338,6 +338,26 @@ def _fits_0d(v, t) -> bool:
     return not math.isnan(r) and math.isinf(r) == math.isinf(v) and (r == 0) == (v == 0)   # float8: NaN
 
 
+def _why_not_0d(v, t) -> str:
+    """Why the saved Python value `v` does not fill the 0-d array target `t` (see `_fits_0d`)."""
+    if isinstance(v, (str, bytes)):
+        return ""
+    dt = np.dtype(t.dtype)
+    name = fmt.dtype_name(dt)
+    if isinstance(v, bool) or dt == np.bool_:
+        return f" (the saved value is {v!r}: a bool fills a bool array only, and a bool array takes only a bool)"
+    if jax.numpy.issubdtype(dt, jax.numpy.integer):
+        if isinstance(v, int):
+            info = jax.numpy.iinfo(dt)
+            return f" (the saved value {v} is outside {name}'s range [{int(info.min)}, {int(info.max)}])"
+        return f" (the saved value {v!r} is a float: an integer array would truncate it)"
+    if not jax.numpy.issubdtype(dt, jax.numpy.floating):
+        return f" (a saved Python number fills a real integer or float array only)"
+    if isinstance(v, int):
+        return f" (the saved value {v} is not exactly representable in {name}: it would come back rounded)"
+    return f" (the saved value {v!r} would round to {'inf' if abs(v) > 1 else 0} in {name})"
+
+
 def _check(rec: dict, t, where: str) -> tuple | None:
     kind = _target_kind(t)
     if t is None:   # a placeholder (e.g. a field that is None in a fresh train state): the saved value
@@ -350,6 +370,8 @@ def _check(rec: dict, t, where: str) -> tuple | None:
         has = f"{type(t).__name__}" + (" value" if kind == "host" else "")
         if kind in ("numpy", "jax") and not treepath.is_prng_key(t):
             has = f"{fmt.dtype_name(t.dtype)}{list(t.shape)}"
+            if not ok and list(t.shape) == []:
+                has += _why_not_0d(rec["v"], t)
         return _unplaceable(t, where, _expected(rec), has) if ok else (where, _expected(rec), has)
     if kind == "host":   # a Python number stands for a 0-d numeric array (a step counter after jit)
         ok = (_family(t) == "number" and rec["sh"] == [] and not rec.get("prng")

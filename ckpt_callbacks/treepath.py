@@ -167,8 +167,9 @@ def match(saved_paths: list, target_paths: list) -> list[int]:
         mismatches += [(keystr(p), "present", "absent") for p in extra]
         lines = _mismatch_lines(missing, extra)
         more = f"\n  ... and {len(lines) - 50} more" if len(lines) > 50 else ""
+        where = f"{len(lines)} place(s)" + (f" ({len(mismatches)} key paths)" if len(mismatches) != len(lines) else "")
         raise IncompatibleCheckpointError(
-            f"the restore target's structure differs from the checkpoint's at {len(mismatches)} key path(s):\n"
+            f"the restore target's structure differs from the checkpoint's in {where}:\n"
             + "\n".join(lines[:50]) + f"{more}\nFix: build the target with the same structure as the saved "
             f"tree, or pass target=None to get the saved tree as host arrays.", mismatches)
     return order

@@ -300,6 +300,21 @@ def test_python_scalar_target_leaves_match_only_their_kind_and_none_stands_for_a
         with pytest.raises(cc.IncompatibleCheckpointError) as e:
             m.restore(target={**ok, key: leaf})
         assert f"['{key}']: checkpoint has {has}, target expects {expects}" in str(e.value), (key, leaf)
+    # and the message says why the value does not fit
+    save(ckdir, {"lr": 1e40, "n": 2 ** 31, "s": 1e-50, "f": 0.5, "b": True, "c": 2 ** 24 + 1}, step=3)
+    with pytest.raises(cc.IncompatibleCheckpointError) as e:
+        m.restore(3, target={"lr": np.zeros((), np.float32), "n": np.zeros((), np.int32), "s": jnp.float32(0),
+                             "f": np.zeros((), np.int8), "b": np.zeros((), np.int32), "c": np.zeros((), np.float32)})
+    text = str(e.value)
+    for why in ["['lr']: checkpoint has float value, target expects float32[] (the saved value 1e+40 would round to inf",
+                "['n']: checkpoint has int value, target expects int32[] (the saved value 2147483648 is outside "
+                "int32's range [-2147483648, 2147483647])",
+                "['s']: checkpoint has float value, target expects float32[] (the saved value 1e-50 would round to 0",
+                "['f']: checkpoint has float value, target expects int8[] (the saved value 0.5 is a float",
+                "['b']: checkpoint has bool value, target expects int32[] (the saved value is True: a bool fills",
+                "['c']: checkpoint has int value, target expects float32[] (the saved value 16777217 is not exactly "
+                "representable in float32"]:
+        assert why in text, (why, text)
 
 
 def test_a_saved_python_number_fills_a_0d_array_target_that_holds_it_exactly(ckdir):
@@ -733,3 +748,6 @@ def test_structure_mismatches_are_said_as_what_they_are(ckdir):
     assert "['s']: checkpoint has it: yes, target has it: no" in text
     assert "checkpoint has it: no" not in text.split("['x']")[0]   # no other path said missing
     assert len(e.value.mismatches) == 11   # the structured list: every leaf path on either side, as before
+    assert "differs from the checkpoint's in 6 place(s) (11 key paths):" in text   # as many places as lines
+    with pytest.raises(cc.IncompatibleCheckpointError, match=r"in 1 place\(s\) \(7 key paths\):\n  <root>: "):
+        m.restore(target=np.zeros(2))
