@@ -314,6 +314,8 @@ def _validate(m: dict) -> None:
                  and isinstance(e[1], (str, int)), f"leaf {i} key path")
         kind = leaf.get("k")
         need(kind in ("array", "packed", "py", "none"), f"leaf {i} kind {kind!r}")
+        if kind == "py":   # an inline Python scalar (never a container: it would come back as data)
+            need("v" in leaf and isinstance(leaf["v"], (bool, int, float, str, bytes)), f"leaf {i} inline value")
         if kind in ("array", "packed"):
             logical_dtype(leaf.get("dt"))  # raises for unknown dtypes
             shape = leaf.get("sh")

@@ -57,6 +57,7 @@ def test_manifest_checksum_and_magic():
 @pytest.mark.parametrize("bad", [
     {"z": "../../etc"}, {"z": "/abs/path"}, {"dt": "object"}, {"sh": [2**41, 2**41]}, {"sh": [-1]},
     {"k": "pickle"}, {"p": [["x", "a"]]}, {"cc": [1, 2]}, {"cc": [-1]}, {"cc": [1 << 32]}, {"cc": "x"},
+    {"k": "py", "v": {"__class__": "os.system"}}, {"k": "py", "v": [1, 2]}, {"k": "py"},   # inline: scalars only
 ])
 def test_hostile_manifest_fields_are_rejected(bad):
     leaf = {"p": [["d", "a"]], "k": "array", "dt": "float32", "sh": [4], "z": "arrays/0", "ch": [4]}
@@ -64,6 +65,13 @@ def test_hostile_manifest_fields_are_rejected(bad):
     m = {"version": 1, "step": 1, "leaves": [leaf], "tree": {"t": "dict", "n": "", "c": [[["d", "a"], {"l": 0}]]}}
     with pytest.raises((cc.CorruptCheckpointError, cc.IncompatibleCheckpointError)):
         fmt.unpack_manifest(fmt.pack_manifest(m))
+
+
+def test_inline_python_scalars_pass_validation():
+    leaves = [{"p": [["d", str(i)]], "k": "py", "v": v} for i, v in enumerate([1, 2.5, True, "s", b"b", -2**63])]
+    m = {"version": 1, "step": 1, "leaves": leaves,
+         "tree": {"t": "dict", "n": "", "c": [[["d", str(i)], {"l": i}] for i in range(len(leaves))]}}
+    assert [leaf["v"] for leaf in fmt.unpack_manifest(fmt.pack_manifest(m))["leaves"]] == [1, 2.5, True, "s", b"b", -2**63]
 
 
 def test_step_names_sort():
