@@ -74,7 +74,7 @@ import time
 import numpy as np
 
 from .errors import CheckpointError, ConfigError, IncompatibleCheckpointError
-from .manager import CheckpointManager
+from .manager import CheckpointManager, close_on_exit
 from .preemption import Preempted, PreemptionWatcher
 from .retention import as_int
 
@@ -407,6 +407,6 @@ class CheckpointHook:
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc):
-        self.close()
+    def __exit__(self, exc_type, exc, tb):
+        close_on_exit(self.close, exc, self.manager.store.url)
         return False

@@ -107,6 +107,23 @@ def _watch_exit(manager) -> None:
         _exit_hook = True
 
 
+def close_on_exit(close, exc: BaseException | None, url: str) -> None:
+    """`close()` for a ``with`` block (the manager's, the Flax hook's). Leaving it normally, a
+    background failure is raised. Leaving it by an exception, that exception goes on (a failed save
+    must not replace, say, the KeyboardInterrupt or the bug that ended training) and the failure
+    of closing is logged and added to it as a note: told, never swallowed."""
+    if exc is None:
+        close()
+        return
+    try:
+        close()
+    except Exception as e:  # noqa: BLE001 - told on the exception that is propagating
+        text = f"{type(e).__name__}: {e}"
+        log.error("ckpt_callbacks: closing the CheckpointManager of %s, while the `with` block raised %s, "
+                  "failed too: %s", url, type(exc).__name__, text)
+        exc.add_note(f"ckpt_callbacks: closing the CheckpointManager of {url} also failed: {text}")
+
+
 def check_flag(name: str, flag) -> None:
     """ConfigError unless `flag` is a bool (also for the Keras callback's flags)."""
     if not isinstance(flag, bool):   # "no" and 0.0 are truthy or falsy by accident, not by intent
@@ -802,8 +819,8 @@ class CheckpointManager:
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc):
-        self.close()
+    def __exit__(self, exc_type, exc, tb):
+        close_on_exit(self.close, exc, self.store.url)
         return False
 
     def __del__(self):

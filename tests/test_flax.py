@@ -530,3 +530,17 @@ def test_a_rerun_that_does_not_restore_is_told_that_it_saves_below_the_earlier_r
     said = [r.getMessage() for r in caplog.records]
     assert len(said) == 1 and "step 5 below the latest committed step 10" in said[0], said
     assert cc.CheckpointManager(ckdir, read_only=True).all_steps() == [5, 10, 12]
+
+
+def test_a_with_block_that_raises_keeps_its_exception_when_the_last_save_failed(ckdir, monkeypatch):
+    """As the manager's: the hook's `with` leaves with the body's exception, the failed save noted on it."""
+    import ckpt_callbacks.manager as mm
+
+    def full(*a, **k):
+        raise OSError(28, "No space left on device (simulated)")
+    monkeypatch.setattr(mm, "write_and_commit", full)
+    with pytest.raises(RuntimeError, match="diverged") as e:
+        with CheckpointHook(ckdir, every_steps=1, preemption_signals=()) as hook:
+            assert hook(1, {"w": np.ones(3)})
+            raise RuntimeError("diverged")
+    assert any("No space left" in n for n in e.value.__notes__)

@@ -860,6 +860,30 @@ def test_a_failed_save_is_raised_by_the_next_save_even_when_that_one_is_not_due(
     assert cc.CheckpointManager(ckdir, read_only=True).all_steps() == [20]
 
 
+def test_a_with_block_that_raises_keeps_its_exception_and_is_told_of_a_failed_save(ckdir, monkeypatch, caplog):
+    """A background failure used to replace the exception that ended the `with` block (the user's
+    `except KeyError` never caught it); it is now logged and noted on that exception. Leaving the
+    block normally still raises it."""
+    import ckpt_callbacks.manager as mm
+
+    def full(*a, **k):
+        raise OSError(28, "No space left on device (simulated)")
+    monkeypatch.setattr(mm, "write_and_commit", full)
+    with pytest.raises(KeyError, match="the body's own") as e:
+        with cc.CheckpointManager(ckdir) as m:
+            assert m.save(1, tree(1))
+            raise KeyError("the body's own")
+    assert any("No space left" in n and "also failed" in n for n in e.value.__notes__)
+    assert "No space left" in caplog.text
+    with pytest.raises(OSError, match="No space left"):
+        with cc.CheckpointManager(ckdir) as m:
+            assert m.save(2, tree(2))
+    monkeypatch.undo()
+    with cc.CheckpointManager(ckdir) as m:   # the directory is free again after each
+        assert m.save(3, tree(3))
+    assert cc.CheckpointManager(ckdir, read_only=True).all_steps() == [3]
+
+
 def test_numpy_and_jax_integers_are_ints_everywhere_and_numpy_metrics_keep_their_kind(ckdir):
     """`save_interval_steps=np.int64(10)`, `KeepLast(np.int64(3))` and a jax step counter were
     refused; a numpy int metric was stored as a float (2**53 + 1 lost its last bit) and a numpy
