@@ -561,6 +561,8 @@ class CheckpointManager:
         step = _check_step(step)
         if step not in self.all_steps():
             return None
+        if not self.store.local:   # no cheap token says whether the step changed: one read of its manifest
+            self._infos.pop(step, None)
         self._step_infos()
         why = self._damaged.get(step)
         if why is not None:

@@ -624,3 +624,17 @@ def test_an_invalid_bucket_name_is_a_config_error_not_an_outage(url):
         cc.CheckpointManager(url)
     assert not isinstance(info.value, cc.StorageUnavailableError)
     assert str(info.value).count(url) == 1, str(info.value)   # said once, not once per layer
+
+
+def test_an_open_managers_metrics_of_a_step_whose_manifest_went_raise_on_an_object_store(objstore):
+    """On an object store nothing cheap says a step changed (a local directory's stamp does), so an
+    open manager answered `metrics(step)` from what it had read or saved, after the manifest was gone."""
+    with cc.CheckpointManager(objstore.url, retention=[cc.KeepLast(2), cc.KeepBest("l", "min")]) as m:
+        m.save(1, {"a": np.arange(3.0)}, metrics={"l": 1.0})
+        m.save(2, {"a": np.arange(3.0)}, metrics={"l": 2.0})
+        m.wait_until_finished()
+        assert m.metrics(1) == {"l": 1.0}
+        objstore.delete("step_0000000001/manifest.msgpack")
+        with pytest.raises(cc.CorruptCheckpointError, match="manifest cannot be read"):
+            m.metrics(1)
+        assert m.all_steps() == [1, 2] and m.metrics(2) == {"l": 2.0}
