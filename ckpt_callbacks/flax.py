@@ -74,7 +74,8 @@ import time
 import numpy as np
 
 from .errors import CheckpointError, ConfigError, IncompatibleCheckpointError
-from .manager import CheckpointManager, close_on_exit
+from .manager import CheckpointManager
+from .shutdown import close_on_exit
 from .preemption import Preempted, PreemptionWatcher
 from .retention import as_int
 

@@ -63,7 +63,8 @@ import numpy as np
 
 from .errors import CheckpointError, ConfigError, IncompatibleCheckpointError
 from .keras_data import ResumableDataset
-from .manager import CheckpointManager, check_flag, check_save_options
+from .checks import check_flag, check_save_options
+from .manager import CheckpointManager
 from .retention import KeepBest, KeepLast, as_policies
 
 __all__ = ["AsyncCheckpoint", "ResumableDataset"]

@@ -25,7 +25,9 @@ writable, take the writer lock, remove leftovers of crashed saves (only names th
 creates); the other processes wait for its outcome and raise if it failed. A manager left open
 with a save in flight when the interpreter exits normally is closed then (before Python stops
 the thread pools its writer uses), so that save commits, with a warning that `close` was not
-called. Multi-host details: docs/multihost.md.
+called. Multi-host details: docs/multihost.md. Which step a restore reads, on every process, and
+which host state it resumes from: `ckpt_callbacks.resume`; at exit, in a forked child and at the
+end of a ``with`` block: `ckpt_callbacks.shutdown`; argument checks: `ckpt_callbacks.checks`.
 
 Saving a step that is already committed never overwrites it: the save is skipped with a warning
 (the resumed-run case) and returns False; ``force=True`` replaces it: readers see the old step or
@@ -35,7 +37,6 @@ next start; object stores: see docs/storage.md).
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
 import logging
 import math
@@ -44,14 +45,14 @@ import os
 import queue
 import threading
 import time
-import weakref
 
 import msgpack
 
-from . import coordination, lock, restore as restore_mod, snapshot
+from . import coordination, lock, restore as restore_mod, resume, shutdown, snapshot
 from . import format as fmt
+from .checks import check_flag, check_metrics, check_save_options, check_step
 from .errors import (CheckpointError, CheckpointNotFoundError, CheckpointSaveError, ConfigError,
-                     CorruptCheckpointError, IncompatibleCheckpointError, StorageUnavailableError)
+                     CorruptCheckpointError, StorageUnavailableError)
 from .retention import StepInfo, as_int, as_policies, best_policy, decide
 from .storage import open_store
 from .writing import SaveStats, Workers, WriteThrough, write_and_commit
@@ -59,120 +60,6 @@ from .writing import SaveStats, Workers, WriteThrough, write_and_commit
 __all__ = ["CheckpointManager"]
 
 log = logging.getLogger("ckpt_callbacks")
-
-_OPEN: weakref.WeakSet = weakref.WeakSet()   # writing managers of this process, for `_close_at_exit`
-_exit_hook = False
-
-
-def _close_at_exit() -> None:
-    """At interpreter exit, close every manager left open with a save in flight: it commits
-    instead of being cut off with the process (its thread is a daemon). Runs as a threading exit
-    hook, i.e. before `concurrent.futures` stops the thread pools that the writer submits to, and
-    before non-daemon threads are joined: a manager whose last save came from such a thread, still
-    alive, is left to it. Managers with nothing in flight are left as they are (their lock is taken
-    over as stale, their leftovers go at the next start), after logging a failure nobody was told
-    of. A forked child forgets its parent's managers (`os.register_at_fork`)."""
-    for m in list(_OPEN):
-        with m._turn:   # (a thread inside `save` now: judged once that call has returned)
-            _close_left_open(m)
-
-
-def _close_left_open(m) -> None:
-    if m._closed:
-        return
-    t, caller = m._thread, m._caller
-    if t is None or not t.is_alive():
-        if m._error is not None:
-            log.error("ckpt_callbacks: the last save to %s failed, and the CheckpointManager was not "
-                      "closed to say so: %s", m.store.url, m.store.redact(str(m._error)))
-        return
-    if caller is not threading.main_thread() and caller.is_alive():
-        return
-    log.warning("ckpt_callbacks: the CheckpointManager of %s was not closed; finishing its save in "
-                "flight at exit (call close(), or use it as a context manager)", m.store.url)
-    try:
-        m.close()
-    except BaseException as e:  # noqa: BLE001 - nobody is left to raise to
-        log.error("ckpt_callbacks: closing the CheckpointManager of %s at exit failed: %s",
-                  m.store.url, m.store.redact(str(e)))
-
-
-def _watch_exit(manager) -> None:
-    global _exit_hook
-    _OPEN.add(manager)
-    if not _exit_hook:
-        import concurrent.futures.thread  # noqa: F401 - registers its exit hook first: ours runs before it
-        getattr(threading, "_register_atexit", atexit.register)(_close_at_exit)
-        os.register_at_fork(after_in_child=_OPEN.clear)   # the parent's managers are the parent's to close
-        _exit_hook = True
-
-
-def close_on_exit(close, exc: BaseException | None, url: str) -> None:
-    """`close()` for a ``with`` block (the manager's, the Flax hook's). Leaving it normally, a
-    background failure is raised. Leaving it by an exception, that exception goes on (a failed save
-    must not replace, say, the KeyboardInterrupt or the bug that ended training) and the failure
-    of closing is logged and added to it as a note: told, never swallowed."""
-    if exc is None:
-        close()
-        return
-    try:
-        close()
-    except Exception as e:  # noqa: BLE001 - told on the exception that is propagating
-        text = f"{type(e).__name__}: {e}"
-        log.error("ckpt_callbacks: closing the CheckpointManager of %s, while the `with` block raised %s, "
-                  "failed too: %s", url, type(exc).__name__, text)
-        exc.add_note(f"ckpt_callbacks: closing the CheckpointManager of {url} also failed: {text}")
-
-
-def check_flag(name: str, flag) -> None:
-    """ConfigError unless `flag` is a bool (also for the Keras callback's flags)."""
-    if not isinstance(flag, bool):   # "no" and 0.0 are truthy or falsy by accident, not by intent
-        raise ConfigError(f"{name} must be True or False, got {flag!r}")
-
-
-def check_save_options(async_save, max_staging_bytes) -> None:
-    """ConfigError for a bad `async_save` or `max_staging_bytes` (also checked by the Keras
-    callback when it is constructed, before its manager is)."""
-    check_flag("async_save", async_save)
-    if max_staging_bytes is not None and (isinstance(max_staging_bytes, bool)
-                                          or not isinstance(max_staging_bytes, numbers.Integral)
-                                          or max_staging_bytes < 1):
-        raise ConfigError(f"max_staging_bytes must be a positive int (bytes) or None, got {max_staging_bytes!r}")
-
-
-def _check_step(step) -> int:
-    """`step` as an int (numpy integers and 0-d integer arrays too), or ConfigError: a step names a
-    directory of 10 digits."""
-    i = as_int(step)
-    try:
-        fmt.step_name(step if i is None else i)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    return i
-
-
-def _check_metrics(metrics) -> dict:
-    if metrics is None:
-        return {}
-    if not isinstance(metrics, dict):
-        raise ConfigError(f"metrics must be a dict of str -> number, got {type(metrics).__name__}")
-    out = {}
-    for k, v in metrics.items():
-        if not isinstance(k, str):
-            raise ConfigError(f"metrics key {k!r} must be a str")
-        if isinstance(v, bool) or (getattr(v, "dtype", None) == bool and getattr(v, "shape", None) == ()):
-            out[k] = bool(v)   # kept as a bool (never ranks), numpy's as Python's
-            continue
-        if (i := as_int(v)) is not None:   # numpy and 0-d jax ints exactly, as Python's
-            if not -2**63 <= i < 2**64:
-                raise ConfigError(f"metrics[{k!r}] = {v} does not fit in 64 bits; pass it as a float")
-            out[k] = i
-            continue
-        try:
-            out[k] = v if isinstance(v, str) else float(v)
-        except (TypeError, ValueError):
-            raise ConfigError(f"metrics[{k!r}] must be a number or str, got {type(v).__name__}") from None
-    return out
 
 
 class CheckpointManager:
@@ -235,7 +122,7 @@ class CheckpointManager:
         self._pid = os.getpid()   # a forked child's copy must not write (see `_check_process`)
         if not read_only:
             self._start_up()
-            _watch_exit(self)
+            shutdown.watch(self)
 
     # -- start-up -----------------------------------------------------------------------------
     def _start_up(self) -> None:
@@ -286,14 +173,14 @@ class CheckpointManager:
                       quiet=False) -> bool:
         if self._closed or self.read_only:
             raise CheckpointError("save on a closed or read-only CheckpointManager")
-        step = _check_step(step)
+        step = check_step(step)
         if self._error is not None:   # a failed save is told by the next call, due or not
             self._wait()
         if not due and step % self.save_interval_steps:
             return False
         refused = None   # this process's checks of the call: told to the others, who refuse it too
         try:
-            metrics = _check_metrics(metrics)
+            metrics = check_metrics(metrics)
             try:
                 host_bytes = None if host_state is None else fmt.pack_host_state(host_state)
             except TypeError as e:
@@ -558,7 +445,7 @@ class CheckpointManager:
     def metrics(self, step: int) -> dict | None:
         """The metrics saved with `step`; None when it is not committed. A step whose manifest
         cannot be read raises `CorruptCheckpointError`."""
-        step = _check_step(step)
+        step = check_step(step)
         if step not in self.all_steps():
             return None
         if not self.store.local:   # no cheap token says whether the step changed: one read of its manifest
@@ -604,121 +491,11 @@ class CheckpointManager:
         self._own_save_first()
         for attempt in range(3):
             try:
-                return self._restore(step, target, fallback)
+                return resume.read(self, step, target, fallback)
             except CheckpointNotFoundError as e:   # (with several processes: raised on all of them alike)
                 if step is not None or not getattr(e, "deleted", False) or attempt == 2:
                     raise
                 log.warning("ckpt_callbacks: %s; restoring the latest step again", e)
-
-    def _restore(self, step, target, fallback: bool):
-        multi = self.coord.process_count > 1 and not self.read_only
-        if step is not None:
-            candidates, fallback = [self._resolve(step)], False
-        elif multi:   # process 0 lists the steps and tells the others: all try the same ones
-            candidates = self._agreed_candidates(fallback)
-        else:
-            steps = self.all_steps()
-            if not steps:
-                raise CheckpointNotFoundError(f"no committed checkpoint in {self.store.url}")
-            candidates = steps[::-1] if fallback else steps[-1:]
-        # every process moves to the same step: a step that one process found damaged, or deleted
-        # while it was read (a save committing meanwhile), is left (or retried) by all of them
-        together = multi and (fallback or step is None)
-        for i, s in enumerate(candidates):
-            error = failure = None
-            try:
-                try:
-                    tree = restore_mod.restore(self.store, s, target)
-                    if fallback:   # this process's host state (a data position) is the step's too
-                        self._check_host_state(s)
-                except IncompatibleCheckpointError as e:
-                    e.step = s   # which step did not match (a fallback may have passed others)
-                    raise
-                except CheckpointNotFoundError as e:   # committed, so a missing manifest is damage
-                    if getattr(e, "deleted", False):   # unless the step went while it was read
-                        raise
-                    if s not in self.store.committed_steps():   # (between listing and reading)
-                        raise restore_mod.deleted_error(self.store, s) from e
-                    raise CorruptCheckpointError(f"step {s} is committed but unreadable: {e}") from None
-            except CorruptCheckpointError as e:
-                if not fallback:
-                    named = self._named(s, e)   # which step of which run, and the ways out
-                    if not together:
-                        if named is e:
-                            raise
-                        raise named from e
-                    e = named
-                error = e
-            except Exception as e:   # not damage (e.g. storage unavailable): no fallback, on any process
-                if not together:
-                    raise
-                failure = e
-            if together:
-                self._nrestores += 1
-                deleted = isinstance(failure, CheckpointNotFoundError) and getattr(failure, "deleted", False)
-                mine = (b"D" if deleted else b"U" if isinstance(failure, StorageUnavailableError)
-                        else b"!" if failure is not None else b"1" if error is None else b"0")
-                oks = self.coord.all_gather(f"restore/{self._nrestores}/ok", mine, self.timeout_s)
-                if failure is not None and not deleted:
-                    raise failure
-                failed = [p for p, ok in enumerate(oks) if ok in (b"U", b"!")]
-                if failed:   # the same class everywhere: a caller that retries does so on every process
-                    cls = StorageUnavailableError if b"U" in oks else CheckpointError
-                    raise cls(f"restoring step {s} failed on process(es) {failed} (see their errors)")
-                if b"D" in oks:   # `restore` lists the steps again, on every process
-                    raise failure if deleted else restore_mod.deleted_error(self.store, s)
-                if error is None and b"0" in oks:
-                    error = CorruptCheckpointError(f"step {s} is damaged on another process")
-                if error is not None and not fallback:
-                    raise error
-            if error is None:
-                self.restored_step = s
-                return tree
-            nxt = candidates[i + 1] if i + 1 < len(candidates) else None
-            log.warning("ckpt_callbacks: step %d in %s is damaged (%s); %s", s, self.store.url, error,
-                        f"falling back to step {nxt}" if nxt is not None else "no older step to fall back to")
-        raise CorruptCheckpointError(f"every committed step up to {candidates[0]} in {self.store.url} is damaged")
-
-    def _named(self, step: int, e: CorruptCheckpointError) -> CorruptCheckpointError:
-        """`e` saying which step of which run is damaged, and the ways out (once)."""
-        if getattr(e, "step_named", False):
-            return e
-        named = CorruptCheckpointError(
-            f"step {step} in {self.store.url} is damaged: {e}\nFix: resume from the newest intact step "
-            f"(CheckpointManager.restore(fallback=True), CheckpointHook.restore_or_init(..., "
-            f"fallback=True), AsyncCheckpoint(..., fallback=True)), or find the damaged steps "
-            f"with `ckpt-callbacks verify {self.store.url} --all` and remove them.",
-            getattr(e, "key_path", None))
-        named.step_named = True
-        return named
-
-    def _check_host_state(self, step: int) -> None:
-        """Read this process's host state of `step`, if it saved one (CorruptCheckpointError if damaged)."""
-        m = restore_mod.read_manifest(self.store, step)
-        if self.coord.process_index in (m.get("host") or {}):
-            restore_mod.read_host_state(self.store, step, m, self.coord.process_index)
-
-    def _agreed_candidates(self, fallback: bool) -> list[int]:
-        """The steps every process tries, newest first (all with `fallback`, else the latest), as
-        process 0 lists them: one list even while a save commits or retention deletes meanwhile."""
-        self._nrestores += 1
-        mine = failure = None
-        if self.coord.process_index == 0:
-            try:
-                steps = self.all_steps()
-                mine = msgpack.packb([steps[::-1] if fallback else steps[-1:], None])
-            except Exception as e:   # noqa: BLE001 - told to the others, then re-raised
-                failure = e
-                mine = msgpack.packb([[], f"{type(e).__name__}: {e}"])
-        steps, err = msgpack.unpackb(self.coord.broadcast(f"restore/{self._nrestores}/latest", mine, self.timeout_s))
-        if failure is not None:
-            raise failure
-        if err is not None:
-            cls = StorageUnavailableError if err.startswith("StorageUnavailableError") else CheckpointError
-            raise cls(f"listing the committed steps of {self.store.url} on process 0 failed: {err}")
-        if not steps:
-            raise CheckpointNotFoundError(f"no committed checkpoint in {self.store.url}")
-        return steps
 
     def host_state(self, step: int | None = None, process_index: int | None = None, *, remap=None):
         """This process's host state saved with `step` (None if none was saved).
@@ -734,47 +511,9 @@ class CheckpointManager:
         self._own_save_first()
         step = self._resolve(step)
         try:
-            return self._host_state(step, process_index, remap)
+            return resume.host_state(self, step, process_index, remap)
         except CorruptCheckpointError as e:
-            raise self._named(step, e) from None
-
-    def _host_state(self, step: int, process_index, remap):
-        try:
-            m = restore_mod.read_manifest(self.store, step)
-        except CheckpointNotFoundError as e:   # committed, so a missing manifest is damage (as in restore)
-            raise CorruptCheckpointError(f"step {step} is committed but unreadable: {e}") from None
-        pi, pc = self.coord.process_index, self.coord.process_count
-        saved = sorted((m.get("host") or {}).keys())
-
-        def saved_state(p, what):   # a wrong index is an error, not "no host state was saved"
-            if not isinstance(p, int) or isinstance(p, bool):
-                raise ConfigError(f"{what} must be a saved process index (an int), got {p!r}")
-            if saved and p not in saved:
-                raise ConfigError(f"{what}={p}: step {step} holds the host state of processes {saved} only")
-            return restore_mod.read_host_state(self.store, step, m, p)
-
-        if process_index is not None:
-            return saved_state(process_index, "process_index")
-        if callable(remap):
-            return remap({p: restore_mod.read_host_state(self.store, step, m, p) for p in saved}, pi, pc)
-        if remap is not None:
-            if not isinstance(remap, dict):
-                raise ConfigError(f"remap must be a dict {{this_process: saved_process}} or a callable, got {remap!r}")
-            if pi not in remap:
-                raise ConfigError(f"remap has no entry for process {pi} (it maps {sorted(remap)}); "
-                                  f"give every process of this run ({pc}) a saved process index {saved}")
-            return saved_state(remap[pi], f"remap[{pi}]")
-        saved_pc = int(m.get("process_count", 1))
-        if saved and saved_pc != pc:
-            raise IncompatibleCheckpointError(
-                f"step {step} in {self.store.url} holds host state (e.g. data-iterator positions) of "
-                f"{saved_pc} processes {saved}, but this run has {pc} processes, so which saved state "
-                f"process {pi} resumes from is not known (the data pipeline's sharding changes with the "
-                f"process count). Fix: pass remap={{this_process: saved_process}} or "
-                f"remap=fn(saved_states, process_index, process_count), or process_index=, to say "
-                f"which state each process resumes from (or restart the data pipeline).",
-                [(f"host_state[{pi}]", f"{saved_pc} processes", f"{pc} processes")])
-        return restore_mod.read_host_state(self.store, step, m, pi)
+            raise resume.named(self.store.url, step, e) from None
 
     def _resolve(self, step):
         steps = self.all_steps()
@@ -782,7 +521,7 @@ class CheckpointManager:
             if not steps:
                 raise CheckpointNotFoundError(f"no committed checkpoint in {self.store.url}")
             return steps[-1]
-        step = _check_step(step)
+        step = check_step(step)
         if step not in steps:
             raise CheckpointNotFoundError(f"step {step} is not a committed checkpoint in {self.store.url} "
                                           f"(committed: {steps[-10:]}{' ...' if len(steps) > 10 else ''})")
@@ -822,7 +561,7 @@ class CheckpointManager:
         return self
 
     def __exit__(self, exc_type, exc, tb):
-        close_on_exit(self.close, exc, self.store.url)
+        shutdown.close_on_exit(self.close, exc, self.store.url)
         return False
 
     def __del__(self):

@@ -352,7 +352,7 @@ def _why_not_0d(v, t) -> str:
             return f" (the saved value {v} is outside {name}'s range [{int(info.min)}, {int(info.max)}])"
         return f" (the saved value {v!r} is a float: an integer array would truncate it)"
     if not jax.numpy.issubdtype(dt, jax.numpy.floating):
-        return f" (a saved Python number fills a real integer or float array only)"
+        return " (a saved Python number fills a real integer or float array only)"
     if isinstance(v, int):
         return f" (the saved value {v} is not exactly representable in {name}: it would come back rounded)"
     return f" (the saved value {v!r} would round to {'inf' if abs(v) > 1 else 0} in {name})"
