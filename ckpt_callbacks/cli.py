@@ -338,7 +338,7 @@ def cmd_verify(args, store, out) -> int:
 def cmd_gc(args, store, out) -> int:
     from . import lock
     from .errors import ConfigError
-    from .retention import StepInfo, decide, retention_from_config
+    from .retention import StepInfo, best_policy, decide, retention_from_config
     from .verify import problem_text
     config = {"keep_last": args.keep_last, "keep_every": args.keep_every, "keep_best": args.keep_best,
               "keep_steps": args.keep_steps, "keep_every_n_seconds": args.keep_every_n_seconds}
@@ -367,6 +367,15 @@ def cmd_gc(args, store, out) -> int:
         unreadable = [s for s in steps if not isinstance(ms[s], dict)]
         infos = [StepInfo(s, float((m.get("extra") or {}).get("time", m.get("time", 0.0))), m.get("metrics") or {})
                  for s, m in ms.items() if isinstance(m, dict)]
+        bp = best_policy(policies)
+        if bp is not None and infos and not bp.rank(infos):   # a typo would keep no best at all
+            seen = sorted({k for i in infos for k, v in i.metrics.items()
+                           if isinstance(v, (int, float)) and not isinstance(v, bool)})
+            sys.stderr.write(f"ckpt-callbacks gc: --keep-best {bp.metric}: no committed step reported "
+                             f"{bp.metric!r} (as a number; they report: {', '.join(seen) or 'no metrics'}), so it "
+                             f"would keep no best step; nothing deleted. Fix: check the metric's name, or "
+                             f"leave out --keep-best\n")
+            return 2
         damaged = _damaged_kept(store, policies, infos) if args.verify else {}
         keep = decide(policies, [i for i in infos if i.step not in damaged]) | set(unreadable) | set(damaged)
         delete = [s for s in steps if s not in keep]

@@ -331,6 +331,11 @@ def test_gc_bad_flag_values_are_usage_errors(ckpt):
     with pytest.raises(SystemExit) as e:
         run("gc", ckpt, "--keep-steps", "20,,30")   # a typo, not two steps
     assert e.value.code == 2
+    # a metric no step reported (a typo) kept no best: it deleted the run's best step without a word
+    for dry in ([], ["--dry-run"]):
+        rc, out, err = run("gc", ckpt, "--keep-last", "1", "--keep-best", "val_los:min:1", *dry)
+        assert rc == 2 and "no committed step reported 'val_los'" in err and "they report: val_loss" in err, err
+        assert "delete" not in out
     assert open_store(ckpt).committed_steps() == [20, 30, 40]
 
 
