@@ -311,6 +311,7 @@ class AsyncCheckpoint(keras.callbacks.Callback):
         # already when the next fit() begins (put there by `batches`, or where the last fit ended
         # on a save), so that on_train_begin does not set it back over batches fit() has read.
         self._data_at = self._data_saved = None
+        self._served_at = None   # see `_check_data_is_read`
         self._yields = self._yields_mark = 0   # items batches() generators gave; as of the last hook
         self.fallback = fallback
         self._replace: set[int] = set()   # damaged steps a fallback went past: saved anew when reached
@@ -496,6 +497,8 @@ class AsyncCheckpoint(keras.callbacks.Callback):
         self._monitor_warned = False
         self._replace = set()
         self._last_loss = None   # the running loss of the last batch-end hook (`_skip_nonfinite`)
+        # batches read from a ResumableDataset `data` before this fit trained: fit() must read on from it
+        self._served_at = self.data.served if isinstance(self.data, ResumableDataset) else None
         step = self.manager.latest_step()
         if step is None:
             return
@@ -571,6 +574,15 @@ class AsyncCheckpoint(keras.callbacks.Callback):
                 f"than step {step}'s (the generator of an earlier fit() whose last save was not "
                 f"committed, or that raised), so resuming would train on them first; nothing was "
                 f"restored. Fix: pass a new cb.batches() to each fit().")
+        progress = tree["progress"]
+        if int(progress["batch"]) and self.data is None:   # before anything is loaded
+            raise ConfigError(
+                f"AsyncCheckpoint: step {step} in {self.manager.store.url} was saved inside epoch "
+                f"{int(progress['epoch']) + 1}, after batch {int(progress['batch'])} (by a run with data= or an "
+                f"int save_freq), but this AsyncCheckpoint has no data=, so fit() would train on that epoch's first "
+                f"{int(progress['batch'])} batches again; nothing was restored. Fix: pass data= as the run that saved "
+                f"it did (the ResumableDataset also given to fit(), or the iterator), or data=False to "
+                f"restart that epoch from its first batch.")
         values = tree["model"]
         for group, variables in _variable_groups(model).items():
             flat = _flatten(values[group])
@@ -582,7 +594,7 @@ class AsyncCheckpoint(keras.callbacks.Callback):
             for v, p in zip(variables, paths):
                 v.assign(flat[p])
         self._resumed_metrics = _flatten(values["metrics_variables"])
-        p = tree["progress"]
+        p = progress
         epoch, batch, self._global_step = int(p["epoch"]), int(p["batch"]), int(p["global_step"])
         self.best = None if p["best"] is None or math.isnan(p["best"]) else float(p["best"])
         if host.get("rng"):
@@ -650,6 +662,8 @@ class AsyncCheckpoint(keras.callbacks.Callback):
     def on_train_batch_begin(self, batch, logs=None):
         # `batch` is the first step of this call: every step before it has run
         done = self._skip + int(batch)
+        if int(batch):
+            self._check_data_is_read()
         if self._epoch_end is not None and done >= self._epoch_end:
             # Keras counts a resumed epoch's calls from the full epoch's length: this call finds
             # no data left (nothing runs), and the epoch-end save follows
@@ -694,8 +708,24 @@ class AsyncCheckpoint(keras.callbacks.Callback):
             self._batch = done
             self._since_save += n
 
+    def _check_data_is_read(self) -> None:
+        """Once a step of this fit has run: a ResumableDataset `data` that fit() reads from has
+        served a batch. One that it does not read (another input passed to fit()) would position
+        nothing: a resume would run the interrupted epoch's first batches again, and the step
+        numbers would drift from the batches trained."""
+        if self._served_at is None:
+            return
+        if self.data.served == self._served_at:
+            raise ConfigError(
+                "AsyncCheckpoint: data= is a ResumableDataset that this fit() does not read from (it has "
+                "served no batch while steps ran), so a resume could not continue at the next unseen batch. "
+                "Fix: pass the same ResumableDataset to fit() as its input, or data=False to restart an "
+                "interrupted epoch from its first batch.")
+        self._served_at = None
+
     def on_epoch_end(self, epoch, logs=None):
         self._exit_warn_ctx()
+        self._check_data_is_read()
         with self._ended_changed:   # Keras has waited for every batch-end hook of the epoch
             self._advance(self._ended)
         self._since_save = 0

@@ -96,6 +96,7 @@ class ResumableDataset(keras.utils.PyDataset):
         self._pending_for = None
         self._next = 0              # the index Keras asks for next when it reads in order
         self._warned_order = False
+        self.served = 0             # batches read from it in all (AsyncCheckpoint: is it fit()'s input?)
 
     def batch_order(self, epoch: int) -> np.ndarray:
         """The indices into `dataset` that epoch `epoch` visits, in order (before skipping)."""
@@ -130,6 +131,7 @@ class ResumableDataset(keras.utils.PyDataset):
         if order is None:
             order = self._order = self.batch_order(self.epoch)
         self._fetched = getattr(self, "_fetched", 0) + 1
+        self.served += 1
         in_order = index in (0, self._next)
         self._next = index + 1
         if not in_order and not self._warned_order:

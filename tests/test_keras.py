@@ -527,6 +527,39 @@ def test_a_resumed_epoch_ends_with_its_epoch_end_save(ckdir, spe, save_freq, cra
     assert int(mngr.restore(20)["progress"]["global_step"]) == 20
 
 
+def test_a_mid_epoch_step_is_not_resumed_without_data_and_a_dataset_fit_does_not_read_is_refused(ckdir):
+    """A callback without data= resumed a mid-epoch step saying "after batch 3" while fit() ran
+    that epoch's first batches again (the step numbers then drifted from optimizer.iterations);
+    a ResumableDataset given as data= but not to fit() did the same."""
+    ds = ResumableDataset(_Indexed(n=8), shuffle_seed=0)
+    model, _ = _tapped_model()
+    cb = AsyncCheckpoint(ckdir, save_freq=3, data=ds)
+
+    class Crash(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            if batch == 5:
+                raise _Crash()
+
+    with pytest.raises(_Crash):
+        model.fit(ds, epochs=1, shuffle=False, verbose=0, callbacks=[cb, Crash()])
+    cb.wait_until_finished()
+    assert cb.manager.all_steps() == [3]
+    x = np.full((32, 1), 1.0, "float32")
+    before = [np.array(w) for w in model.get_weights()]
+    with pytest.raises(cc.ConfigError, match=r"step 3 .* inside epoch 1, after batch 3 .* no data=.*nothing was "
+                                             r"restored"):
+        model.fit(x, x, batch_size=4, epochs=2, verbose=0, callbacks=[AsyncCheckpoint(ckdir)])
+    assert all((a == b).all() for a, b in zip(before, model.get_weights()))
+    # data= a ResumableDataset that fit() does not read: refused once a step has run, before a save
+    other = AsyncCheckpoint(ckdir, save_freq=3, data=ResumableDataset(_Indexed(n=8), shuffle_seed=0))
+    with pytest.raises(cc.ConfigError, match="does not read from"):
+        model.fit(x, x, batch_size=4, epochs=2, shuffle=False, verbose=0, callbacks=[other])
+    assert cc.CheckpointManager(ckdir, read_only=True).all_steps() == [3]
+    # the same wrapper read by fit(): resumes (after batch 3) and trains on
+    model.fit(ds, epochs=2, shuffle=False, verbose=0, callbacks=[cb])
+    assert cb.resumed_step == 3 and int(model.optimizer.iterations) == 16
+
+
 @pytest.mark.parametrize("batches", [8, 4])
 def test_a_mid_epoch_resume_into_epochs_of_another_length_is_warned_about(ckdir, caplog, batches):
     """Saved after batch 2 of an 8-batch epoch, resumed over a dataset of 4 larger batches (another
