@@ -57,7 +57,9 @@ def _human(n) -> str:
 
 
 def _metric_text(metrics: dict) -> str:
-    return " ".join(f"{k}={v:.5g}" if isinstance(v, float) else f"{k}={v}" for k, v in sorted(metrics.items()))
+    """Numbers as numbers; a str metric (stored, never ranked) quoted, so it never reads as one."""
+    return " ".join(f"{k}={v:.5g}" if isinstance(v, float) else f"{k}={v!r}" if isinstance(v, (str, bytes))
+                    else f"{k}={v}" for k, v in sorted(metrics.items()))
 
 
 def _parse_best(text: str, with_n: bool):
@@ -135,7 +137,11 @@ def _best(manifests: dict, best_arg):
     if spec is None:
         return None, None, None
     infos = [StepInfo(s, 0.0, m.get("metrics") or {}) for s, m in manifests.items() if isinstance(m, dict)]
-    ranked = KeepBest(spec["metric"], spec.get("mode", "min"), spec.get("n", 1) or 1).rank(infos)
+    policy = KeepBest(spec["metric"], spec.get("mode", "min"), spec.get("n", 1) or 1)
+    ranked = policy.rank(infos)
+    if isinstance(th := spec.get("threshold"), (int, float)):   # a step must beat it to rank (as the run ranked)
+        value = {i.step: float(i.metrics[policy.metric]) for i in infos if i.step in ranked}
+        ranked = [s for s in ranked if (value[s] < th if policy.mode == "min" else value[s] > th)]
     return spec, src, (ranked[0] if ranked else None)
 
 

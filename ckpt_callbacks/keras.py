@@ -252,8 +252,8 @@ class AsyncCheckpoint(keras.callbacks.Callback):
                               f"{keras.config.backend()!r}. Fix: set KERAS_BACKEND=jax before importing keras.")
         if not isinstance(directory, (str, os.PathLike)) or not os.fspath(directory).strip():
             raise ConfigError(f"directory must be a path or a URL (str or os.PathLike), got {directory!r}")
-        if isinstance(verbose, bool) or not isinstance(verbose, numbers.Integral):
-            raise ConfigError(f"verbose must be 0 or 1, got {verbose!r}")
+        if isinstance(verbose, bool) or not isinstance(verbose, numbers.Integral) or verbose not in (0, 1):
+            raise ConfigError(f"verbose must be 0 (silent) or 1 (a line per resume and save), got {verbose!r}")
         if save_freq != "epoch" and (isinstance(save_freq, bool) or not isinstance(save_freq, int) or save_freq < 1):
             raise ConfigError(f"save_freq must be 'epoch' or a positive int (batches), got {save_freq!r}")
         if mode not in ("auto", "min", "max"):

@@ -208,6 +208,8 @@ class CheckpointManager:
         # timings (a manifest is written before its own commit, so they land in the next one).
         if (bp := best_policy(self.policies)) is not None:
             extra_info["keep_best"] = {"metric": bp.metric, "mode": bp.mode, "n": bp.n}
+            if getattr(bp, "threshold", None) is not None:   # (the Keras callback's initial_value_threshold)
+                extra_info["keep_best"]["threshold"] = float(bp.threshold)
         if self.history:
             prev = self.history[-1]
             extra_info["prev"] = {"step": prev.step, "started": prev.started, "commit_s": prev.commit_s,

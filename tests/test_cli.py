@@ -84,6 +84,16 @@ def test_ls_lists_steps_metrics_and_marks_the_recorded_best(ckpt):
     assert "best by val_loss (min, from the run's KeepBest): 20" in out
 
 
+def test_ls_quotes_a_str_metric_so_it_never_reads_as_a_number(tmp_path, capsys):
+    d = str(tmp_path / "run")
+    with cc.CheckpointManager(d) as m:
+        m.save(1, {"w": np.ones(2)}, metrics={"val_loss": "0.1", "note": "warm-up"})
+        m.save(2, {"w": np.ones(2)}, metrics={"val_loss": 0.5})
+    rc, out, _ = run("ls", d, "--best", "val_loss:min")
+    assert rc == 0 and "val_loss='0.1'" in out and "note='warm-up'" in out and "val_loss=0.5" in out
+    assert "best by val_loss (min, from --best): 2" in out
+
+
 def test_ls_best_flag_overrides_and_json(ckpt):
     rc, out, _ = run("ls", ckpt, "--best", "val_loss:max", "--json")
     assert rc == 0

@@ -396,13 +396,19 @@ def test_batch_end_hook_runs_off_the_main_thread_and_saves_stay_exact(ckdir, ste
         (s // 8, s % 8, s) for s in steps]   # epoch ends: (next epoch, batch 0)
 
 
-def test_initial_value_threshold_bars_steps_from_best(ckdir):
+def test_initial_value_threshold_bars_steps_from_best(ckdir, capsys):
     """No val_loss can beat a threshold of 0: no step ranks as best, only keep_last keeps."""
     x, y, val = _data()
     cb = AsyncCheckpoint(ckdir, keep_last=1, keep_best=1, initial_value_threshold=0.0)
     _model().fit(x, y, batch_size=16, epochs=3, validation_data=val, verbose=0, callbacks=[cb])
     assert cb.manager.all_steps() == [12] and cb.manager.best_step() is None
     assert cb.manager.metrics(12)["val_loss"] > 0 and cb.best == 0.0
+    # `ckpt-callbacks ls` ranks as the run did (it marked step 12 best, ignoring the threshold)
+    from ckpt_callbacks import cli
+    assert cli.main(["ls", ckdir, "--json"]) == 0
+    listing = json.loads(capsys.readouterr().out)
+    assert listing["best"]["step"] is None and listing["best"]["threshold"] == 0.0
+    assert not [r for r in listing["steps"] if r["best"]]
 
 
 def test_resumable_dataset_order_skip_and_epochs():
@@ -719,7 +725,8 @@ def test_configuration_errors(ckdir):
     bad = [({"initial_value_threshold": "0.5"}, "initial_value_threshold"),
            ({"initial_value_threshold": float("nan")}, "initial_value_threshold"),
            ({"resume": "no"}, "resume"), ({"fallback": 1}, "fallback"), ({"monitor": None}, "monitor"),
-           ({"max_staging_bytes": "64MB"}, "max_staging_bytes"), ({"verbose": "yes"}, "verbose")]
+           ({"max_staging_bytes": "64MB"}, "max_staging_bytes"), ({"verbose": "yes"}, "verbose"),
+           ({"verbose": 5}, "verbose must be 0 .* or 1")]
     for kwargs, match in bad:   # at construction, not in the middle of fit()
         with pytest.raises(cc.ConfigError, match=match):
             AsyncCheckpoint(ckdir, **kwargs)
