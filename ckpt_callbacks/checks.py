@@ -3,10 +3,15 @@ raises `ConfigError` saying what was received and what is expected, before anyth
 
 Example::
 
+    import numpy as np
+    import ckpt_callbacks as cc
     from ckpt_callbacks import checks
-    checks.check_step(np.int64(100))            # -> 100
-    checks.check_metrics({"val_loss": 0.25})    # -> {"val_loss": 0.25}
-    checks.check_flag("force", "yes")           # ConfigError: force must be True or False
+    assert checks.check_step(np.int64(100)) == 100
+    assert checks.check_metrics({"val_loss": np.float32(0.25)}) == {"val_loss": 0.25}
+    try:
+        checks.check_flag("force", "yes")
+    except cc.ConfigError as e:
+        print(e)                                # force must be True or False, got 'yes'
 
 Who calls what: `CheckpointManager` (construction, `save`, `metrics`, `restore`) and the Keras
 callback's and Flax hook's constructors, on the caller's thread.

@@ -2,10 +2,12 @@
 
 Example::
 
+    import numpy as np
     import ckpt_callbacks as cc
-    mngr = cc.CheckpointManager("/tmp/run", read_only=True)
-    tree = mngr.restore(fallback=True)        # -> resume.read(mngr, None, None, True)
-    print(mngr.restored_step, mngr.host_state())
+    with cc.CheckpointManager("/tmp/run") as mngr:
+        mngr.save(1, {"w": np.ones(3)}, host_state={"data": 7})
+        tree = mngr.restore(fallback=True)             # -> resume.read(mngr, None, None, True)
+        print(mngr.restored_step, mngr.host_state())   # 1 {'data': 7}
 
 Who calls what: `CheckpointManager.restore` and `.host_state`, on every process with the same
 arguments (SPMD), after waiting for the manager's own save in flight. With several processes

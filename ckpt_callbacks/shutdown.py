@@ -4,9 +4,12 @@ forked child, and at the end of a ``with`` block that raised.
 Example::
 
     import ckpt_callbacks as cc
-    with cc.CheckpointManager("/tmp/run") as mngr:   # __exit__ -> close_on_exit
-        mngr.save(1, {"w": [1.0, 2.0]})
-        raise KeyboardInterrupt   # propagates; had the save failed, that failure is noted on it
+    try:
+        with cc.CheckpointManager("/tmp/run") as mngr:   # __exit__ -> close_on_exit
+            mngr.save(1, {"w": [1.0, 2.0]})
+            raise KeyError("a bug in the training loop")
+    except KeyError as e:   # the body's own error (a failed save would be logged and noted on it)
+        print(e, getattr(e, "__notes__", []))
 
 Who calls what: `CheckpointManager.__init__` (a writing manager, any thread) calls `watch`, which
 registers `_close_at_exit` once per process as a `threading` exit hook (it runs on the main thread
