@@ -37,7 +37,7 @@ Who calls what, in which order (Keras calls the hooks; on every process under mu
   * `on_train_end`: waits for the last save, applies retention, closes the manager; a background
     failure is raised here, never swallowed.
 
-A save takes ``model.get_state_tree()`` (trainable, non-trainable incl. seed-generator state,
+A save takes ``model.getkeras_state.state_tree()`` (trainable, non-trainable incl. seed-generator state,
 optimizer incl. iteration, metrics; the optimizer's auto-numbered name is stored as "optimizer")
 after `model.jax_state_sync()` (mid-epoch the JAX trainer keeps
 the live state outside the variables and donates it every step; the manager copies it before
@@ -51,7 +51,6 @@ import logging
 import math
 import numbers
 import os
-import random
 import threading
 import time
 import warnings
@@ -59,11 +58,11 @@ import weakref
 from collections.abc import Mapping
 
 import keras
-import numpy as np
 
+from . import keras_state
+from .checks import check_flag, check_save_options
 from .errors import CheckpointError, ConfigError, IncompatibleCheckpointError
 from .keras_data import ResumableDataset
-from .checks import check_flag, check_save_options
 from .manager import CheckpointManager
 from .retention import KeepBest, KeepLast, as_policies
 
@@ -92,10 +91,8 @@ def _dir_key(directory) -> str:
     d = os.fspath(directory)
     return d if "://" in d else os.path.realpath(d)
 
-_GROUPS = ("trainable_variables", "non_trainable_variables", "optimizer_variables", "metrics_variables")
-_PROGRESS = ("epoch", "batch", "global_step", "best", "version")
+
 _RAN_OUT = "Your input ran out of data"
-_OPTIMIZER = "optimizer"
 
 
 class _KeepBestBeyond(KeepBest):
@@ -109,59 +106,6 @@ class _KeepBestBeyond(KeepBest):
         ok = (lambda v: v < self.threshold) if self.mode == "min" else (lambda v: v > self.threshold)
         by_step = {i.step: i for i in infos}
         return [s for s in super().rank(infos) if ok(float(by_step[s].metrics[self.metric]))]
-
-
-def _flatten(nested: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in nested.items():
-        if isinstance(v, dict):
-            out.update(_flatten(v, f"{prefix}{k}/"))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
-def _state_tree(model) -> dict:
-    """`model.get_state_tree()`, with the optimizer's own (auto-numbered: "adam", "adam_1", ...) name
-    replaced by "optimizer", so a model rebuilt in the same process still matches its checkpoint."""
-    try:
-        tree = model.get_state_tree()
-    except ValueError as e:   # e.g. two variables of a layer with one name: one path
-        raise ConfigError(f"AsyncCheckpoint: Keras cannot collect the model's state (model.get_state_tree()): "
-                          f"{e}\nFix: give each variable of a layer its own name (add_weight(name=...))") from e
-    opt = tree["optimizer_variables"]
-    name = model.optimizer.name
-    if name in opt and _OPTIMIZER not in opt:
-        opt[_OPTIMIZER] = opt.pop(name)
-    return tree
-
-
-def _saved_path(model, group: str, path: str) -> str:
-    name = model.optimizer.name
-    if group == "optimizer_variables" and path.startswith(name + "/"):
-        return _OPTIMIZER + path[len(name):]
-    return path
-
-
-def _variable_groups(model) -> dict:
-    return {"trainable_variables": model.trainable_variables,
-            "non_trainable_variables": model.non_trainable_variables,
-            "optimizer_variables": model.optimizer.variables,
-            "metrics_variables": model.metrics_variables}
-
-
-def _rng_state() -> dict:
-    version, state, gauss = random.getstate()
-    name, keys, pos, has_gauss, cached = np.random.get_state()
-    return {"python": [version, list(state), gauss],
-            "numpy": [name, np.asarray(keys, "<u4").tobytes(), int(pos), int(has_gauss), float(cached)]}
-
-
-def _set_rng_state(s: dict) -> None:
-    version, state, gauss = s["python"]
-    random.setstate((version, tuple(state), gauss))
-    name, keys, pos, has_gauss, cached = s["numpy"]
-    np.random.set_state((name, np.frombuffer(keys, "<u4").copy(), pos, has_gauss, cached))
 
 
 def _state_of(data):
@@ -180,16 +124,6 @@ def _same(a, b) -> bool | None:
         return bool(a == b)
     except Exception:  # noqa: BLE001 - e.g. states holding numpy arrays
         return None
-
-
-def _numeric_logs(logs) -> dict:
-    out = {}
-    for k, v in (logs or {}).items():
-        try:
-            out[str(k)] = float(v)
-        except (TypeError, ValueError):
-            pass
-    return out
 
 
 def _newest_intact(manager: CheckpointManager, latest: int) -> int:
@@ -428,7 +362,7 @@ class AsyncCheckpoint(keras.callbacks.Callback):
         self._close_abandoned()
         self._refuse_another_in_this_fit()
         self._check_epochs_are_passes()
-        _state_tree(self.model)              # a model whose state cannot be saved fails now, not after an epoch
+        keras_state.state_tree(self.model)              # a model whose state cannot be saved fails now, not after an epoch
         self._mode = self._resolved_mode()
         self.manager = CheckpointManager(self.directory, retention=self._policies(self._mode),
                                          async_save=self.async_save, max_staging_bytes=self.max_staging_bytes)
@@ -546,7 +480,7 @@ class AsyncCheckpoint(keras.callbacks.Callback):
             raise CheckpointError(f"this Keras ({keras.__version__}) has no model._initial_epoch, which "
                                   "AsyncCheckpoint sets to resume at the next epoch; use Keras >= 3.0")
         data_at, self._data_at = self._data_at, None   # used once: a fit() that raises leaves no claim
-        target = {"model": _state_tree(model), "progress": dict.fromkeys(_PROGRESS, 0)}
+        target = {"model": keras_state.state_tree(model), "progress": dict.fromkeys(keras_state.PROGRESS, 0)}
         try:
             if self.fallback:   # the newest intact step (a warning names each damaged one passed)
                 tree = self.manager.restore(target=target, fallback=True)
@@ -584,21 +518,13 @@ class AsyncCheckpoint(keras.callbacks.Callback):
                 f"it did (the ResumableDataset also given to fit(), or the iterator), or data=False to "
                 f"restart that epoch from its first batch.")
         values = tree["model"]
-        for group, variables in _variable_groups(model).items():
-            flat = _flatten(values[group])
-            paths = [_saved_path(model, group, v.path) for v in variables]
-            missing = [p for p in paths if p not in flat]
-            if missing:  # cannot happen after the manager's structural check; never assign partially
-                raise IncompatibleCheckpointError(f"{group}: no saved value for {missing}",
-                                                  [(f"{group}/{p}", "absent", "present") for p in missing])
-            for v, p in zip(variables, paths):
-                v.assign(flat[p])
-        self._resumed_metrics = _flatten(values["metrics_variables"])
+        keras_state.assign(model, values)
+        self._resumed_metrics = keras_state.flatten(values["metrics_variables"])
         p = progress
         epoch, batch, self._global_step = int(p["epoch"]), int(p["batch"]), int(p["global_step"])
         self.best = None if p["best"] is None or math.isnan(p["best"]) else float(p["best"])
         if host.get("rng"):
-            _set_rng_state(host["rng"])
+            keras_state.set_rng_state(host["rng"])
         if move_data:
             self.data.set_state(host["data"])   # (at `_data_at`, fit() has read on from there already)
         saved_steps, steps = host.get("steps"), self._epoch_steps()
@@ -729,7 +655,7 @@ class AsyncCheckpoint(keras.callbacks.Callback):
         with self._ended_changed:   # Keras has waited for every batch-end hook of the epoch
             self._advance(self._ended)
         self._since_save = 0
-        metrics = _numeric_logs(logs)
+        metrics = keras_state.numeric_logs(logs)
         current = metrics.get(self.monitor)
         if current is None and not self._monitor_warned and self.monitor in self._ranked_metrics():
             self._monitor_warned = True   # e.g. a typo, or fit() without validation data
@@ -794,10 +720,10 @@ class AsyncCheckpoint(keras.callbacks.Callback):
         model.jax_state_sync()   # mid-epoch, the live (to-be-donated) state is in model._jax_state
         progress = {"epoch": int(epoch), "batch": int(batch), "global_step": int(self._global_step),
                     "best": float("nan") if self.best is None else float(self.best), "version": 1}
-        host = {"rng": _rng_state(), "steps": self._epoch_steps()}
+        host = {"rng": keras_state.rng_state(), "steps": self._epoch_steps()}
         if self._state_iterator():
             host["data"] = self.data.get_state()
-        started = self.manager.save(self._global_step, {"model": _state_tree(model), "progress": progress},
+        started = self.manager.save(self._global_step, {"model": keras_state.state_tree(model), "progress": progress},
                                     metrics=metrics, host_state=host,
                                     force=replace or self._global_step in self._replace)
         self.last_blocking_s = time.perf_counter() - t0

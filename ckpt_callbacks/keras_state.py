@@ -1,0 +1,112 @@
+"""A Keras model's full state as one tree, and back; the host RNGs Keras' input pipelines draw from.
+
+Example::
+
+    import os; os.environ.setdefault("KERAS_BACKEND", "jax")
+    import keras, numpy as np
+    from ckpt_callbacks import keras_state
+
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile(optimizer="adam", loss="mse")
+    model.fit(np.ones((8, 2)), np.ones((8, 1)), verbose=0)
+    tree = keras_state.state_tree(model)   # trainable, non-trainable, optimizer (as "optimizer"), metrics
+    keras_state.assign(model, tree)        # every variable from `tree`, or IncompatibleCheckpointError
+    keras_state.set_rng_state(keras_state.rng_state())
+
+Who calls what: `AsyncCheckpoint` (main thread): `state_tree` when it saves and as the restore
+target, `assign` and `set_rng_state` in `on_train_begin` after the manager's strict restore,
+`rng_state` with each save (per process, as host state).
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+
+from .errors import ConfigError, IncompatibleCheckpointError
+
+__all__ = ["PROGRESS", "state_tree", "assign", "flatten", "rng_state", "set_rng_state", "numeric_logs"]
+
+PROGRESS = ("epoch", "batch", "global_step", "best", "version")   # the run's position, saved beside the model
+_OPTIMIZER = "optimizer"
+
+
+def flatten(nested: dict, prefix: str = "") -> dict:
+    """A nested dict of variables as {"layer/.../name": value} (Keras' variable paths)."""
+    out = {}
+    for k, v in nested.items():
+        if isinstance(v, dict):
+            out.update(flatten(v, f"{prefix}{k}/"))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def state_tree(model) -> dict:
+    """`model.get_state_tree()`, with the optimizer's own (auto-numbered: "adam", "adam_1", ...) name
+    replaced by "optimizer", so a model rebuilt in the same process still matches its checkpoint."""
+    try:
+        tree = model.get_state_tree()
+    except ValueError as e:   # e.g. two variables of a layer with one name: one path
+        raise ConfigError(f"AsyncCheckpoint: Keras cannot collect the model's state (model.get_state_tree()): "
+                          f"{e}\nFix: give each variable of a layer its own name (add_weight(name=...))") from e
+    opt = tree["optimizer_variables"]
+    name = model.optimizer.name
+    if name in opt and _OPTIMIZER not in opt:
+        opt[_OPTIMIZER] = opt.pop(name)
+    return tree
+
+
+def _saved_path(model, group: str, path: str) -> str:
+    name = model.optimizer.name
+    if group == "optimizer_variables" and path.startswith(name + "/"):
+        return _OPTIMIZER + path[len(name):]
+    return path
+
+
+def assign(model, values: dict) -> None:
+    """Assign every variable of `model` from `values` (a `state_tree` as restored). All paths are
+    checked before any is assigned: a model is never left half loaded."""
+    groups = {"trainable_variables": model.trainable_variables,
+              "non_trainable_variables": model.non_trainable_variables,
+              "optimizer_variables": model.optimizer.variables,
+              "metrics_variables": model.metrics_variables}
+    plan = []
+    for group, variables in groups.items():
+        flat = flatten(values[group])
+        paths = [_saved_path(model, group, v.path) for v in variables]
+        missing = [p for p in paths if p not in flat]
+        if missing:  # cannot happen after the manager's structural check
+            raise IncompatibleCheckpointError(f"{group}: no saved value for {missing}",
+                                              [(f"{group}/{p}", "absent", "present") for p in missing])
+        plan += [(v, flat[p]) for v, p in zip(variables, paths)]
+    for v, value in plan:
+        v.assign(value)
+
+
+def rng_state() -> dict:
+    """Python's and NumPy's global RNG states (Keras shuffles arrays with NumPy's, PyDatasets with
+    Python's), msgpack-able."""
+    version, state, gauss = random.getstate()
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    return {"python": [version, list(state), gauss],
+            "numpy": [name, np.asarray(keys, "<u4").tobytes(), int(pos), int(has_gauss), float(cached)]}
+
+
+def set_rng_state(s: dict) -> None:
+    version, state, gauss = s["python"]
+    random.setstate((version, tuple(state), gauss))
+    name, keys, pos, has_gauss, cached = s["numpy"]
+    np.random.set_state((name, np.frombuffer(keys, "<u4").copy(), pos, has_gauss, cached))
+
+
+def numeric_logs(logs) -> dict:
+    """The entries of Keras' logs that are numbers, as floats (the metrics a step is saved with)."""
+    out = {}
+    for k, v in (logs or {}).items():
+        try:
+            out[str(k)] = float(v)
+        except (TypeError, ValueError):
+            pass
+    return out
