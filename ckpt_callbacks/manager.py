@@ -334,7 +334,7 @@ class CheckpointManager:
         if self.coord.process_index == 0:
             try:
                 # the chunk files of steps deleted after the previous save were there for this
-                # save to overwrite (storage.LocalStore.claim); what it did not take goes now
+                # save to overwrite (localstore.LocalStore.claim); what it did not take goes now
                 self.store.drop_reusable(self._workers and self._workers.fsync)
                 infos = self._step_infos()
                 keep = decide(self.policies, infos)

@@ -13,7 +13,7 @@ import tensorstore as ts
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import ckpt_callbacks as cc
-from ckpt_callbacks import chunkwrite, layout, storage
+from ckpt_callbacks import chunkwrite, layout, localstore
 from ckpt_callbacks import format as fmt
 from ckpt_callbacks.restore import read_manifest
 from ckpt_callbacks.storage import open_store
@@ -243,7 +243,7 @@ def test_page_aligned_chunks_go_to_the_device_without_the_page_cache(direct_dir,
     n = x.nbytes
     blocks = n - n % chunkwrite.DIRECT_ALIGN
     assert seen == ([("pwrite", 0, blocks, True)] if blocks else []) + [("pwritev", blocks, n + 4 - blocks, False)]
-    if blocks and storage.LocalStore(str(direct_dir)).direct_io:   # a disk: only the tail's page was cached
+    if blocks and localstore.LocalStore(str(direct_dir)).direct_io:   # a disk: only the tail's page was cached
         assert resident_pages(path) <= 1
     assert open(path, "rb").read() == expected_file(x)
 
@@ -331,7 +331,7 @@ def test_blob_parts_go_to_the_device_through_a_window(direct_dir, monkeypatch, s
     if total % chunkwrite.DIRECT_ALIGN:
         expected.append(("pwritev", blocks, total - blocks, False))
     assert seen == expected
-    if blocks and storage.LocalStore(str(direct_dir)).direct_io:   # a disk: only the tail's page was cached
+    if blocks and localstore.LocalStore(str(direct_dir)).direct_io:   # a disk: only the tail's page was cached
         assert resident_pages(path) <= 1
     assert open(path, "rb").read() == b"".join(bytes(p) for p in parts)
 

@@ -749,9 +749,9 @@ def test_other_backends_are_refused(tmp_path):
 
 def test_background_write_failure_is_raised_by_fit_at_train_end(ckdir):
     """Keras swallows nothing of ours: the failed last save surfaces from model.fit itself."""
-    from ckpt_callbacks import storage
+    from ckpt_callbacks import localstore
 
-    class Failing(storage.LocalStore):
+    class Failing(localstore.LocalStore):
         def write(self, rel, data, sync=True):
             raise OSError(28, "No space left on device (injected)")
 

@@ -244,21 +244,21 @@ def test_interrupted_forced_replacement_puts_the_old_step_back(ckdir):
 def test_a_forced_replacement_swaps_the_step_in_one_step_where_the_system_can(ckdir, monkeypatch):
     """With two renames, a reader (or a crash) between them saw the step missing: the latest
     step went back for readers until a writer put the old copy back."""
-    from ckpt_callbacks import storage
+    from ckpt_callbacks import localstore
     probe = [os.path.join(os.path.dirname(ckdir), n) for n in ("xa", "xb")]
     for p in probe:
         os.makedirs(p)
-    exchanges = storage._exchange(*probe)   # (not on every file system, nor with every C library)
+    exchanges = localstore._exchange(*probe)   # (not on every file system, nor with every C library)
     renames = []
     real = os.rename
-    monkeypatch.setattr(storage.os, "rename", lambda a, b: renames.append(b) or real(a, b))
+    monkeypatch.setattr(localstore.os, "rename", lambda a, b: renames.append(b) or real(a, b))
     with cc.CheckpointManager(ckdir) as m:
         m.save(3, tree(3))
         m.save(3, {"x": np.zeros(4, np.float32), "step": -1}, force=True)
         m.wait_until_finished()
         assert bool([b for b in renames if ".old-" in b]) == (not exchanges)
         np.testing.assert_array_equal(m.restore(3)["x"], np.zeros(4, np.float32))
-        monkeypatch.setattr(storage, "_exchange", lambda a, b: False)   # no renameat2: two renames
+        monkeypatch.setattr(localstore, "_exchange", lambda a, b: False)   # no renameat2: two renames
         m.save(3, tree(3), force=True)
         m.wait_until_finished()
         assert [b for b in renames if ".old-" in b]
@@ -391,11 +391,11 @@ def test_a_save_into_a_reused_directory_fsyncs_exactly_the_directories_whose_ent
     """On a disk, save k + 3 is written into the directory of step k (KeepLast(2)). A directory
     whose entries are those step k committed is durable already and is not fsynced again; every
     directory that gained, lost or replaced an entry is. Save 5 also drops a leaf and adds one."""
-    from ckpt_callbacks import storage
+    from ckpt_callbacks import localstore
     skip_without_direct_io(ckdir)
     synced = []
-    real = storage._fsync_path
-    monkeypatch.setattr(storage, "_fsync_path", lambda p, directory=False: (
+    real = localstore._fsync_path
+    monkeypatch.setattr(localstore, "_fsync_path", lambda p, directory=False: (
         synced.append(p) if directory else None, real(p, directory))[1])
     m = cc.CheckpointManager(ckdir, retention=cc.KeepLast(2))
     m.store.direct_io, m.store.in_memory = True, False   # as LocalStore decides on a disk
@@ -412,7 +412,7 @@ def test_a_save_into_a_reused_directory_fsyncs_exactly_the_directories_whose_ent
         committed[k] = _listing(top)
         staging = [os.path.relpath(p, ckdir).split("/", 1) for p in synced if ".tmp-" in p]
         fsynced = {(rest[1] if len(rest) > 1 else ".") for rest in staging}
-        time.sleep(0.15)   # beyond storage._STAMP_MARGIN_NS: a directory changed just now is always fsynced
+        time.sleep(0.15)   # beyond localstore._STAMP_MARGIN_NS: a directory changed just now is always fsynced
         if k <= 3:   # a new directory: every one of its directories
             assert fsynced == set(committed[k]), k
             continue

@@ -21,7 +21,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import ckpt_callbacks as cc
-from ckpt_callbacks import layout, objectstore, snapshot, storage, writing
+from ckpt_callbacks import layout, localstore, objectstore, snapshot, storage, writing
 from ckpt_callbacks.storage import open_store
 from helpers import assert_tree_equal
 from objstore import SECRETS, gcs_server, objstore, objstore_env, s3_server  # noqa: F401 (fixtures)
@@ -504,11 +504,11 @@ def test_kept_files_nobody_claimed_are_deleted_on_the_pool_given(tmp_path):
         def unlink(path):
             unlinked.append(threading.current_thread().name)
             real(path)
-        storage.os.unlink = unlink
+        localstore.os.unlink = unlink
         try:
             store.drop_reusable(pool)
         finally:
-            storage.os.unlink = real
+            localstore.os.unlink = real
     assert len(unlinked) == left > 2 * 6 and all(n.startswith("given") for n in unlinked)
     assert os.listdir(store.root) == []
 
@@ -524,12 +524,12 @@ tmpfs /data/nfs tmpfs rw 0 0
 /dev/vdc /data/my\\040disk ext4 rw 0 0
 /dev/vdd /data/my xfs rw 0 0
 """)
-    kind = lambda p: storage._fs_type(p, str(mounts))   # noqa: E731
+    kind = lambda p: localstore._fs_type(p, str(mounts))   # noqa: E731
     assert kind("/dev/shm/run") == "tmpfs" and kind("/dev/shmx/run") == "ext4"   # a prefix is not a parent
     assert kind("/data/ck/not yet") == "xfs" and kind("/data") == "xfs"
     assert kind("/data/nfs/ck") == "tmpfs"               # mounted over: the later entry
     assert kind("/data/my disk/ck") == "ext4" and kind("/data/my/ck") == "xfs"   # "\\040" is a space
-    assert storage._fs_type("/x", str(tmp_path / "none")) == ""
+    assert localstore._fs_type("/x", str(tmp_path / "none")) == ""
 
 
 def test_a_local_store_bypasses_the_page_cache_only_on_a_local_disk_and_maps_only_on_a_memory_one(tmp_path):
@@ -539,13 +539,13 @@ def test_a_local_store_bypasses_the_page_cache_only_on_a_local_disk_and_maps_onl
     if r.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
     try:
-        assert storage._fs_type(str(mnt / "ck" / "not yet")) == "tmpfs"
+        assert localstore._fs_type(str(mnt / "ck" / "not yet")) == "tmpfs"
         assert open_store(str(mnt / "ck")).direct_io is False
         assert open_store(str(mnt / "ck")).in_memory is True
-        beside = storage._fs_type(str(tmp_path / "ck"))
-        assert beside and beside == storage._fs_type(str(tmp_path))   # (ck does not exist yet)
-        assert open_store(str(tmp_path / "ck")).direct_io is (beside in storage._DIRECT_FS)
-        assert open_store(str(tmp_path / "ck")).in_memory is (beside in storage._MEMORY_FS)
+        beside = localstore._fs_type(str(tmp_path / "ck"))
+        assert beside and beside == localstore._fs_type(str(tmp_path))   # (ck does not exist yet)
+        assert open_store(str(tmp_path / "ck")).direct_io is (beside in localstore._DIRECT_FS)
+        assert open_store(str(tmp_path / "ck")).in_memory is (beside in localstore._MEMORY_FS)
     finally:
         subprocess.run(["umount", "-l", str(mnt)], check=False)
 
@@ -558,16 +558,16 @@ def test_a_directory_is_stamped_only_when_its_entries_last_changed_beyond_the_ma
     top, sub = tmp_path / "step", tmp_path / "step" / "arrays"
     sub.mkdir(parents=True)
     (sub / "a").write_bytes(b"x")
-    assert storage._dir_stamps(str(top), [str(top), str(sub)]) == {}          # changed just now
-    time.sleep(storage._STAMP_MARGIN_NS / 1e9 + 0.05)
-    stamps = storage._dir_stamps(str(top), [str(top), str(sub)])
-    assert list(stamps) == ["arrays"] and stamps["arrays"] == storage._stamp(str(sub))
+    assert localstore._dir_stamps(str(top), [str(top), str(sub)]) == {}          # changed just now
+    time.sleep(localstore._STAMP_MARGIN_NS / 1e9 + 0.05)
+    stamps = localstore._dir_stamps(str(top), [str(top), str(sub)])
+    assert list(stamps) == ["arrays"] and stamps["arrays"] == localstore._stamp(str(sub))
     (sub / "a").write_bytes(b"y")                     # a file's bytes: the directory is as it was
-    assert storage._stamp(str(sub)) == stamps["arrays"]
+    assert localstore._stamp(str(sub)) == stamps["arrays"]
     (sub / "b").write_bytes(b"z")                     # a new entry
-    assert storage._stamp(str(sub)) != stamps["arrays"]
+    assert localstore._stamp(str(sub)) != stamps["arrays"]
     os.unlink(sub / "b")
-    assert storage._stamp(str(sub)) != stamps["arrays"]
+    assert localstore._stamp(str(sub)) != stamps["arrays"]
 
 
 def test_an_outage_of_the_test_servers_refuses_new_connections(s3_server):
@@ -586,7 +586,7 @@ def test_deleting_a_step_never_leaves_its_replaced_copy_to_be_put_back(tmp_path,
     with cc.CheckpointManager(store.root) as m:
         m.save(1, {"a": np.ones(3)})
     os.makedirs(store.path("step_0000000001.old-0123456789ab/arrays"))
-    monkeypatch.setattr(storage.shutil, "rmtree", lambda *a, **k: None)   # nothing can be removed
+    monkeypatch.setattr(localstore.shutil, "rmtree", lambda *a, **k: None)   # nothing can be removed
     store.delete(1)
     assert store.recoverable() == {} and store.committed_steps() == []
     assert store.recover() == [] and store.committed_steps() == []

@@ -15,7 +15,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import ckpt_callbacks as cc
-from ckpt_callbacks import chunkwrite, storage
+from ckpt_callbacks import chunkwrite, localstore, storage
 from helpers import assert_tree_equal, skip_without_direct_io
 
 
@@ -241,7 +241,7 @@ def test_numpy_mutated_after_save_does_not_leak(ckdir):
     assert not out["a"].any() and not out["small"].any()
 
 
-class Faulty(storage.LocalStore):
+class Faulty(localstore.LocalStore):
     """A local store whose writes fail (an injected storage fault) while `fail` is set."""
 
     fail = False
@@ -277,7 +277,7 @@ def test_background_failure_surfaces_on_next_call_and_nothing_partial_is_listed(
 
 
 def test_failed_fsync_aborts_and_is_not_retried(ckdir, monkeypatch):
-    monkeypatch.setattr(storage, "_MEMORY_FS", frozenset())   # a disk's fsyncs, also where tmp_path is a tmpfs
+    monkeypatch.setattr(localstore, "_MEMORY_FS", frozenset())   # a disk's fsyncs, also where tmp_path is a tmpfs
     calls = []
     real = os.fsync
 
@@ -301,7 +301,7 @@ def test_failed_fsync_aborts_and_is_not_retried(ckdir, monkeypatch):
 def test_one_save_in_flight(ckdir):
     order = []
 
-    class Slow(storage.LocalStore):
+    class Slow(localstore.LocalStore):
         def publish(self, staging, step, replace=False, pool=None):
             order.append(("publish-start", step))
             time.sleep(0.3)
@@ -320,7 +320,7 @@ def test_one_save_in_flight(ckdir):
 
 @pytest.mark.usefixtures("zarr_above_1mib")
 def test_commit_is_atomic_rename_with_fsyncs(ckdir, monkeypatch):
-    monkeypatch.setattr(storage, "_MEMORY_FS", frozenset())   # a disk's fsyncs, also where tmp_path is a tmpfs
+    monkeypatch.setattr(localstore, "_MEMORY_FS", frozenset())   # a disk's fsyncs, also where tmp_path is a tmpfs
     synced, renamed = [], []
     real_fsync, real_rename = os.fsync, os.rename
 
@@ -632,7 +632,7 @@ def _save_reusing(store, step, tree, workers):
 def _reuse_for(ckdir, old, new):
     """Steps 1 and 2 of `old`; step 1 deleted by retention; step 3 of `new` in its directory."""
     from ckpt_callbacks import writing
-    store, workers = storage.LocalStore(ckdir), writing.Workers()
+    store, workers = localstore.LocalStore(ckdir), writing.Workers()
     try:
         _save_reusing(store, 1, old, workers)
         _save_reusing(store, 2, old, workers)
@@ -664,7 +664,7 @@ def test_a_deleted_steps_directory_becomes_the_next_saves_and_is_overwritten_in_
     rewritten in place, every zarr.json kept as it is (neither written nor fsynced again); the
     step holds exactly its manifest's files and restores exactly."""
     from ckpt_callbacks import verify, writing
-    store, workers = storage.LocalStore(ckdir), writing.Workers()
+    store, workers = localstore.LocalStore(ckdir), writing.Workers()
     touched = []
     try:
         _save_reusing(store, 1, _tree_a(1), workers)
@@ -674,7 +674,7 @@ def test_a_deleted_steps_directory_becomes_the_next_saves_and_is_overwritten_in_
         for name in ("write", "sync"):
             real = getattr(store, name)
             monkeypatch.setattr(store, name, lambda rel, *a, _real=real, **k: (touched.append(rel), _real(rel, *a, **k))[1])
-        monkeypatch.setattr(storage, "_fsync_path", lambda p, *a, _real=storage._fsync_path, **k: (touched.append(p), _real(p, *a, **k))[1])
+        monkeypatch.setattr(localstore, "_fsync_path", lambda p, *a, _real=localstore._fsync_path, **k: (touched.append(p), _real(p, *a, **k))[1])
         _save_reusing(store, 3, _tree_a(3), workers)
     finally:
         workers.close()
@@ -698,7 +698,7 @@ def test_a_reused_directorys_zarr_json_is_written_again_unless_it_holds_this_sav
     """A zarr.json of the deleted step is kept only when its bytes are the ones this process
     wrote for the same metadata: a file edited meanwhile (or replaced by a link) is written anew."""
     from ckpt_callbacks import verify, writing
-    store, workers = storage.LocalStore(ckdir), writing.Workers()
+    store, workers = localstore.LocalStore(ckdir), writing.Workers()
     try:
         _save_reusing(store, 1, _tree_a(1), workers)
         _save_reusing(store, 2, _tree_a(2), workers)
@@ -749,7 +749,7 @@ def test_files_hard_linked_elsewhere_are_never_written_in_a_reused_directory(ckd
     never writes into a linked file: chunks, blobs and the manifest are replaced, a zarr.json
     holding this save's bytes is kept as it is."""
     from ckpt_callbacks import writing
-    store, workers = storage.LocalStore(ckdir), writing.Workers()
+    store, workers = localstore.LocalStore(ckdir), writing.Workers()
     backup = {}
     try:
         _save_reusing(store, 1, _tree_a(1), workers)

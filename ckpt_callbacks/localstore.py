@@ -1,0 +1,516 @@
+"""`LocalStore`: the `Store` of a local POSIX directory (the default), with atomic renames.
+
+Example::
+
+    from ckpt_callbacks.localstore import LocalStore
+    store = LocalStore("/tmp/run")            # what storage.open_store("/tmp/run") returns
+    store.committed_steps()                   # [] on a new directory
+    print(store.in_memory, store.direct_io)   # tmpfs: True False; ext4/XFS: False True
+
+Who calls what: as for every `Store` (see `ckpt_callbacks.storage`): the manager, the writer
+thread (`writing`) and its chunk and fsync threads, `restore`, and the CLI. A save is written into
+``step_N.tmp-<token>/``, its files and new directories fsynced (`sync`), then `publish` renames it
+to ``step_N`` and fsyncs the parent; a forced replacement swaps the two directories atomically
+(``renameat2(RENAME_EXCHANGE)`` where the kernel has it, else two renames, the old step put back by
+`recover` after a crash between them). `delete` hides a step (``step_N.del-<hex>``) before removing
+it, and with ``reuse=True`` keeps its files for the next save to `claim`. Memory file systems skip
+fsyncs; local disks let `chunkwrite` bypass the page cache (``direct_io``).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import ctypes
+import errno
+import functools
+import os
+import re
+import shutil
+import stat
+import threading
+import time
+
+from . import format as fmt
+from .errors import CheckpointError, CheckpointNotFoundError, StorageUnavailableError, storage_unavailable
+from .storage import Store, submit
+
+__all__ = ["LocalStore"]
+
+
+def _each(fn, items: list, pool=None) -> None:
+    """`fn` on every item: on `pool`'s threads (or, without one, on threads started for the call)
+    when there are several, for calls that wait on the device and release the GIL; on this
+    thread where the pool takes no more tasks (interpreter shutdown, e.g. `close()` from
+    `atexit`: `submit`).
+    Returns once all have run; then re-raises the first failure (in item order). Never call it on
+    a thread of `pool`."""
+    if len(items) < 2:
+        for x in items:
+            fn(x)
+        return
+    own = None
+    try:
+        if pool is None:
+            pool = own = concurrent.futures.ThreadPoolExecutor(max_workers=min(16, len(items)))
+        futures = [submit(pool, fn, x) for x in items]
+        concurrent.futures.wait(futures)
+        for f in futures:
+            f.result()
+    finally:
+        if own is not None:
+            own.shutdown(wait=True)
+
+
+def _hidden_name(step: int, kind: str) -> str:
+    """A fresh name for a step directory renamed out of the way: `step_N.del-<hex>` (deleted)
+    or `step_N.old-<hex>` (superseded by a forced replacement)."""
+    return f"{fmt.step_name(step)}.{kind}-{os.urandom(6).hex()}"
+
+
+def _unlink_quiet(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:   # gone already, or not ours to remove: rmtree tries again and ignores it
+        pass
+
+
+def _tree(top: str) -> tuple[list[str], list[str]]:
+    """The directories (`top` first) and the files under `top`: one ``scandir`` per directory
+    (`os.walk` costs several times more per entry). A symlink, even to a directory, is listed as
+    a file; nothing if `top` does not exist; a subdirectory that vanishes or cannot be read
+    raises (unlike `os.walk`): for staging trees, which only this package writes."""
+    dirs, files, todo = [], [], [top]
+    while todo:
+        d = todo.pop()
+        try:
+            with os.scandir(d) as it:
+                for e in it:
+                    (todo if e.is_dir(follow_symlinks=False) else files).append(e.path)
+        except FileNotFoundError:
+            if d == top:
+                return [], []
+            raise
+        dirs.append(d)
+    return dirs, files
+
+
+_DIRECT_FS = {"ext2", "ext3", "ext4", "xfs", "btrfs", "f2fs", "bcachefs"}   # local block devices
+_MEMORY_FS = {"tmpfs", "ramfs"}   # their page cache is the storage: mapping a file reads nothing
+
+
+def _fs_type(path: str, mounts: str = "/proc/self/mounts") -> str:
+    """The type of the file system holding `path` (or its nearest existing parent): the longest
+    mount point above it in `mounts`, the later of equal ones ("" where that is not readable,
+    e.g. not Linux)."""
+    target = os.fsencode(os.path.realpath(path))
+    try:
+        with open(mounts, "rb") as f:
+            entries = [line.split()[1:3] for line in f]
+    except OSError:
+        return ""
+    best, kind = b"", ""
+    for point, fs in (e for e in entries if len(e) == 2):
+        point = re.sub(rb"\\([0-7]{3})", lambda m: bytes([int(m.group(1), 8)]), point)   # "\040" is a space
+        if (target == point or target.startswith(point.rstrip(b"/") + b"/")) and len(point) >= len(best):
+            best, kind = point, os.fsdecode(fs)
+    return kind
+
+
+def _fsync_path(path: str, directory: bool = False) -> None:
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
+    try:
+        os.fsync(fd)  # an error here aborts the save: never retried (fsyncgate)
+    finally:
+        os.close(fd)
+
+
+# A directory whose entries changed less than this long before it was stamped is not stamped:
+# file systems take timestamps from a clock that advances by ticks (1-10 ms), so a later change
+# in the same tick could leave its mtime as it was.
+_STAMP_MARGIN_NS = 100_000_000
+
+
+def _stamp(path: str):
+    """What changes when an entry of directory `path` is added, removed or renamed (None if gone)."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    return st.st_ino, st.st_mtime_ns, st.st_ctime_ns
+
+
+def _dir_stamps(top: str, dirs: list[str]) -> dict:
+    """{path relative to `top`: `_stamp`} for the directories under `top` (`dirs` from `_tree`,
+    `top` first and left out: it is renamed, and always fsynced) last changed at least
+    `_STAMP_MARGIN_NS` ago. `publish` of a reused tree fsyncs only the directories whose stamp
+    differs: POSIX updates a directory's mtime and ctime with every entry added, removed or
+    renamed, so an equal stamp means the same entries as at the commit that made them durable."""
+    now = time.time_ns()
+    out = {}
+    for d in dirs[1:]:
+        st = _stamp(d)
+        if st is not None and now - max(st[1], st[2]) >= _STAMP_MARGIN_NS:
+            out[d[len(top) + 1:]] = st
+    return out
+
+
+def _exchange(a: str, b: str) -> bool:
+    """Swap two existing paths in one atomic step (Linux ``renameat2`` with ``RENAME_EXCHANGE``);
+    False where the C library or the file system has no such call."""
+    fn = _renameat2()
+    if fn is None:
+        return False
+    if fn(-100, os.fsencode(a), -100, os.fsencode(b), 2) == 0:   # AT_FDCWD, RENAME_EXCHANGE
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EPERM):
+        return False
+    raise OSError(err, os.strerror(err), a)
+
+
+@functools.lru_cache(maxsize=1)
+def _renameat2():
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = (ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint)
+    fn.restype = ctypes.c_int
+    return fn
+
+
+class LocalStore(Store):
+    """A POSIX directory; commit by atomic rename of a staging directory."""
+
+    local = True
+
+    def __init__(self, root: str):
+        self.root = os.path.abspath(root)
+        self.url = self.root
+        # on a local disk, page-aligned chunk buffers are written with O_DIRECT (chunkwrite); not on
+        # a memory file system (tmpfs: its page cache is the storage), nor over a network or FUSE,
+        # where direct I/O means a synchronous round trip per write, or is refused
+        kind = _fs_type(self.root)
+        self.direct_io = hasattr(os, "O_DIRECT") and kind in _DIRECT_FS
+        self.in_memory = kind in _MEMORY_FS
+        self._kept: list[str] = []              # hidden (.del-) step directories kept for reuse
+        self._pool: dict[int, list[str]] = {}   # their chunk and blob files by size
+        self._inplace: dict[str, int] = {}      # chunk files of a kept directory made staging: size
+        self._reused: set[str] = set()          # staging directories that are kept directories
+        self._stamps: dict[str, dict] = {}      # kept or reused directory -> its unchanged subdirectories
+        self._pool_lock = threading.Lock()
+
+    def path(self, rel: str) -> str:
+        return os.path.join(self.root, rel)
+
+    def kvstore(self, rel: str) -> dict:
+        return {"driver": "file", "path": self.path(rel) + "/"}
+
+    def _fsync(self, path: str, directory: bool = False) -> None:
+        # On a memory file system an fsync makes nothing more durable: tmpfs and ramfs implement
+        # it as a no-op (the kernel's noop_fsync). Skipping it spares a save an open, an fsync and
+        # a close per file and directory, and the thread-pool round trips that spread them.
+        if not self.in_memory:
+            _fsync_path(path, directory)
+
+    def write(self, rel: str, data, sync: bool = True) -> None:
+        """Write bytes, or a list of buffers one after another; fsync the file unless ``sync=False``."""
+        p = self.path(rel)
+        os.makedirs(os.path.dirname(p), exist_ok=True)
+        _unlink_quiet(p)   # a file there (a reused staging directory) may be hard-linked elsewhere
+        with open(p, "wb") as f:
+            for part in (data if isinstance(data, list) else [data]):
+                f.write(part)
+            f.flush()
+            if sync and not self.in_memory:   # see `_fsync`
+                os.fsync(f.fileno())
+
+    def read(self, rel: str) -> bytes:
+        try:
+            with open(self.path(rel), "rb") as f:
+                return f.read()
+        except FileNotFoundError:
+            raise CheckpointNotFoundError(f"{self.path(rel)} does not exist") from None
+        except OSError as e:
+            if storage_unavailable(e):   # permission, stale handle, timeout: not the file's content
+                raise StorageUnavailableError(f"reading {self.path(rel)} failed: {e}; check permissions, "
+                                              f"mounts and network, then retry") from None
+            raise
+
+    def committed_steps(self) -> list[int]:
+        try:
+            names = os.listdir(self.root)
+        except FileNotFoundError:
+            return []
+        return sorted(s for s in map(fmt.parse_step_name, names) if s is not None)
+
+    def staging(self, step: int, token: str) -> str:
+        """The staging directory (relative) that `begin` makes for the save `token` of `step`."""
+        return f"{fmt.step_name(step)}.tmp-{token}"
+
+    def begin(self, step: int, token: str, lead: bool = True, reuse_tree: bool = False) -> str:
+        rel = self.staging(step, token)
+        if not (lead and reuse_tree and self._adopt(rel)):
+            os.makedirs(self.path(rel), exist_ok=True)
+        return rel
+
+    def _adopt(self, rel: str) -> bool:
+        """Rename the last kept step directory to the staging directory `rel`: its directories and
+        files are this save's, its chunk files overwritten in place where this save writes the
+        same file again (`claim` with the path). Nothing is created or deleted for a save of the
+        same tree; on a disk file system each new inode and each deletion is a metadata write."""
+        with self._pool_lock:
+            if not self._kept or os.path.lexists(self.path(rel)):
+                return False
+            hidden = self._kept.pop()
+            stamps = self._stamps.pop(hidden, {})
+            try:
+                os.rename(self.path(hidden), self.path(rel))
+            except OSError:   # removed behind our back: that directory is gone for good
+                return False
+            self._stamps[rel] = stamps
+            old, new = self.path(hidden) + os.sep, self.path(rel) + os.sep
+            for size, paths in self._pool.items():
+                mine = [p for p in paths if p.startswith(old)]
+                paths[:] = [p for p in paths if not p.startswith(old)]
+                self._inplace.update((new + p[len(old):], size) for p in mine)
+            self._reused.add(rel)
+        # a staging directory holds no manifest before its own (written last, before the rename)
+        _unlink_quiet(self.path(f"{rel}/{fmt.MANIFEST}"))
+        return True
+
+    def holds(self, rel: str, data: bytes) -> bool:
+        with self._pool_lock:
+            if not any(rel.startswith(r + "/") for r in self._reused):
+                return False
+        try:
+            fd = os.open(self.path(rel), os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        except OSError:
+            return False
+        try:
+            st = os.fstat(fd)
+            return stat.S_ISREG(st.st_mode) and st.st_size == len(data) and os.read(fd, len(data) + 1) == data
+        finally:
+            os.close(fd)
+
+    def prune(self, staging: str, keep: set, pool=None, last: bool = True) -> None:
+        with self._pool_lock:
+            if staging not in self._reused:
+                return
+            if last:
+                self._forget(staging)
+        top = self.path(staging)
+        dirs, files = _tree(top)
+        under = tuple(k for k in keep if k.endswith("/"))
+        n = len(top) + 1   # `_tree` names every file `top` + os.sep + its relative path
+        stale = [f for f in files if (rel := f[n:]) not in keep and not rel.startswith(under)]
+        _each(_unlink_quiet, stale, pool)
+        if stale:   # deepest first; a directory still holding this save's files stays
+            for d in sorted(dirs[1:], key=lambda d: d.count(os.sep), reverse=True):
+                try:
+                    os.rmdir(d)
+                except OSError:
+                    pass
+
+    def _forget(self, staging: str) -> None:
+        """(Under the pool lock.) `staging` is no longer a reused directory with claimable files."""
+        self._reused.discard(staging)
+        prefix = self.path(staging) + os.sep
+        for p in [p for p in self._inplace if p.startswith(prefix)]:
+            del self._inplace[p]
+
+    def abort(self, staging: str) -> None:
+        with self._pool_lock:
+            self._forget(staging)
+            self._stamps.pop(staging, None)
+        self.remove(staging)
+
+    def sync(self, rels: list[str], skip=frozenset(), pool=None) -> None:
+        """fsync the given files and the files of the given trees, in parallel on `pool` (or on
+        threads started for the call; fsync releases the GIL, and the device is kept busy with
+        several flushes at once), except the relative paths in `skip`. Directories are fsynced
+        once, by `publish`, for the whole staging tree. Never call it on a thread of `pool`.
+        On a memory file system (``in_memory``) there is nothing to make durable: it returns."""
+        if self.in_memory:
+            return
+        files = []
+        skip = {self.path(r) for r in skip}
+        for rel in rels:
+            top = self.path(rel)
+            if os.path.isfile(top):
+                files.append(top)
+            else:
+                files += _tree(top)[1]
+        files = [f for f in files if f not in skip]
+
+        def one(path):
+            try:
+                _fsync_path(path)
+            except FileNotFoundError:  # another process's temporary file, renamed meanwhile
+                pass
+
+        _each(one, files, pool)   # re-raises the first failure: the save aborts
+
+    def publish(self, staging: str, step: int, replace: bool = False, pool=None) -> None:
+        final = self.path(fmt.step_name(step))
+        # every directory of the staging tree (the writers fsynced their own files); on a file
+        # system without a journal each is a synchronous metadata write: several at once. Of a
+        # reused tree (`begin` with reuse_tree), not the directories whose entries are as they
+        # were when their step was deleted: durable since that step's commit (`_dir_stamps`).
+        with self._pool_lock:
+            stamps = self._stamps.pop(staging, {})
+        if not self.in_memory:   # see `_fsync`
+            top = self.path(staging)
+            dirs = _tree(top)[0]
+            if stamps:
+                dirs = [top] + [d for d in dirs[1:] if stamps.get(d[len(top) + 1:]) != _stamp(d)]
+            _each(lambda d: _fsync_path(d, directory=True), dirs, pool)
+        old = None
+        if os.path.exists(final):
+            if not replace:
+                raise CheckpointError(f"{final} already exists")
+            if _exchange(self.path(staging), final):   # one atomic step: readers never miss the step
+                self._fsync(self.root, directory=True)
+                shutil.rmtree(self.path(staging), ignore_errors=True)   # the old copy (a leftover if we die)
+                return
+            # `.old-`, not `.del-`: if we die before the next rename, `recover` puts it back
+            old = _hidden_name(step, "old")
+            os.rename(final, self.path(old))
+        os.rename(self.path(staging), final)
+        self._fsync(self.root, directory=True)
+        if old:
+            shutil.rmtree(self.path(old), ignore_errors=True)
+
+    def recover(self) -> list[int]:
+        """At start-up, before leftovers are removed: put back a step whose forced replacement
+        (`publish(replace=True)`) died between its two renames. Returns the steps put back."""
+        back = []
+        for name, step in self.recoverable().items():
+            final = self.path(fmt.step_name(step))
+            if not os.path.exists(final):   # (two `.old-` of one step: only the first goes back)
+                os.rename(self.path(name), final)
+                back.append(step)
+        if back:
+            self._fsync(self.root, directory=True)
+        return back
+
+    def delete(self, step: int, reuse: bool = False) -> None:
+        # first the copies its forced replacements left (`.old-`, superseded while `step_N` is
+        # there): once `step_N` is gone, `recover` would put such a copy back
+        # (renamed to `.del-`, which nothing puts back, then removed as far as it goes)
+        old = [n for n, s in self._old_copies().items() if s == step]
+        gone = [_hidden_name(step, "del") for _ in old]
+        for name, new in zip(old, gone):
+            os.rename(self.path(name), self.path(new))
+        if old:
+            self._fsync(self.root, directory=True)   # durable before `step_N` goes
+        for new in gone:
+            shutil.rmtree(self.path(new), ignore_errors=True)
+        hidden = _hidden_name(step, "del")
+        try:
+            os.rename(self.path(fmt.step_name(step)), self.path(hidden))
+        except FileNotFoundError:
+            return
+        self._fsync(self.root, directory=True)
+        if not reuse:
+            shutil.rmtree(self.path(hidden), ignore_errors=True)
+            return
+        # Kept for the next save to overwrite in place: the page cache pages (and on disk, the
+        # blocks) are neither freed now nor allocated again then. Only plain chunk and blob files.
+        # On a disk the next save may take the whole directory (`begin` with reuse_tree): its
+        # directories are stamped too, for `publish`, here and not when that save takes it: only
+        # now are their entries surely those the commit made durable (a `claim` in between renames
+        # chunk files out, unsynced; its stamp then differs and `publish` fsyncs that directory).
+        found = []
+        reusable = (self.path(f"{hidden}/arrays") + os.sep, self.path(f"{hidden}/blobs") + os.sep)
+        dirs, files = _tree(self.path(hidden))
+        for path in files:
+            if not path.startswith(reusable) or os.path.basename(path) == "zarr.json":
+                continue
+            st = os.lstat(path)
+            if stat.S_ISREG(st.st_mode) and st.st_nlink == 1:
+                found.append((st.st_size, path))
+        stamps = _dir_stamps(self.path(hidden), dirs) if self.direct_io else {}
+        with self._pool_lock:
+            self._kept.append(hidden)
+            self._stamps[hidden] = stamps
+            for size, path in found:
+                self._pool.setdefault(size, []).append(path)
+
+    def step_token(self, step: int):
+        # the step directory and its manifest (a re-save of the step writes a new one, also into
+        # a reused directory); None when the step is not there
+        d = self.path(fmt.step_name(step))
+        try:
+            a, m = os.stat(d), os.stat(os.path.join(d, fmt.MANIFEST))
+        except OSError:
+            return None
+        return a.st_dev, a.st_ino, m.st_ino, m.st_mtime_ns, m.st_size
+
+    def claim(self, nbytes: int, path: str | None = None) -> str | None:
+        with self._pool_lock:
+            if path is not None and self._inplace.get(path) == nbytes:
+                del self._inplace[path]
+                return path
+            paths = self._pool.get(nbytes)
+            return paths.pop() if paths else None
+
+    def claim_all(self, sizes: list[int]) -> list[str] | None:
+        with self._pool_lock:
+            if any(len(self._pool.get(n, ())) < sizes.count(n) for n in set(sizes)):
+                return None
+            return [self._pool[n].pop() for n in sizes]
+
+    def _old_copies(self) -> dict[str, int]:
+        """The `.old-` copies that forced replacements left: {name: step}."""
+        found = {}
+        for name in self.leftovers():
+            m = fmt.STAGING_RE.match(name)
+            if m.group(2) == "old":
+                found[name] = int(m.group(1))
+        return found
+
+    def recoverable(self) -> dict[str, int]:
+        return {n: s for n, s in self._old_copies().items() if not os.path.exists(self.path(fmt.step_name(s)))}
+
+    def drop_reusable(self, pool=None) -> None:
+        with self._pool_lock:
+            kept, self._kept, self._pool = self._kept, [], {}
+            for hidden in kept:
+                self._stamps.pop(hidden, None)
+        files = []
+        for hidden in kept:
+            try:
+                files += _tree(self.path(hidden))[1]
+            except OSError:   # (only ours write there) rmtree below removes what is left
+                pass
+        # unlinks first, several at once: with `discard` each one waits for the device
+        _each(_unlink_quiet, files, pool)
+        for hidden in kept:
+            shutil.rmtree(self.path(hidden), ignore_errors=True)
+
+    def leftovers(self) -> list[str]:
+        try:
+            return sorted(n for n in os.listdir(self.root) if fmt.STAGING_RE.match(n))
+        except FileNotFoundError:
+            return []
+
+    def remove(self, name: str) -> None:
+        if not fmt.STAGING_RE.match(name):
+            raise ValueError(f"refusing to remove {name!r}: not a name ckpt_callbacks creates")
+        shutil.rmtree(self.path(name), ignore_errors=True)
+
+    def size(self, step: int) -> int | None:
+        total = 0
+        for dirpath, _, files in os.walk(self.path(fmt.step_name(step))):
+            total += sum(os.path.getsize(os.path.join(dirpath, f)) for f in files)
+        return total
+
+    def check_writable(self) -> None:
+        try:
+            os.makedirs(self.root, exist_ok=True)
+        except OSError as e:
+            raise CheckpointError(f"cannot create checkpoint directory {self.root}: {e}") from None
+        if not os.access(self.root, os.W_OK | os.X_OK):
+            raise CheckpointError(f"checkpoint directory {self.root} is not writable by this process "
+                                  f"(uid {os.getuid()}); fix its permissions or choose another directory")
