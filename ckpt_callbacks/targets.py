@@ -1,0 +1,159 @@
+"""Whether a restore target's leaf can take a saved leaf, and if not, why: the checks that turn
+into the lines of an `IncompatibleCheckpointError`, made before anything is read.
+
+Example::
+
+    import numpy as np
+    from ckpt_callbacks import targets
+    rec = {"k": "array", "dt": "float32", "sh": [4, 4]}        # a manifest's leaf record
+    assert targets.check(rec, np.zeros((4, 4), np.float32), "['w']") is None
+    print(targets.check(rec, np.zeros((4,), np.float32), "['w']"))   # ("['w']", 'float32[4, 4]', 'float32[4]')
+    print(targets.check({"k": "py", "v": 1e40}, np.float32(0), "['lr']")[2])   # why 1e40 does not fit
+
+Who calls what: `restore.restore` (on every process, in `CheckpointManager.restore`), once per
+leaf of the target after the tree structures matched (`treepath.match`), before any read.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import numpy as np
+
+from . import format as fmt
+from . import treepath
+
+__all__ = ["kind", "check"]
+
+
+def kind(t) -> str:
+    """What a target leaf is: "host" (None, a Python scalar), "numpy", "jax" (an array or a
+    ShapeDtypeStruct), or "other"."""
+    if t is None or isinstance(t, (bool, int, float, str, bytes)):
+        return "host"
+    if isinstance(t, (np.ndarray, np.generic)):
+        return "numpy"
+    if isinstance(t, (jax.Array, jax.ShapeDtypeStruct)):
+        return "jax"
+    return "other"
+
+
+def _expected(rec: dict) -> str:
+    if rec["k"] in ("py", "none"):
+        return "None" if rec["k"] == "none" else f"{type(rec['v']).__name__} value"
+    dt = f"key<{rec['prng']}>" if rec.get("prng") else rec["dt"]
+    shape = rec["sh"][:len(rec["sh"]) - len(rec.get("kshape", []))] if rec.get("prng") else rec["sh"]
+    return f"{dt}{list(shape)}"
+
+
+def _family(v) -> str:
+    """Python scalars that may stand for each other in a target: numbers, str, bytes."""
+    return "bytes" if isinstance(v, bytes) else "str" if isinstance(v, str) else "number"
+
+
+def _fits_0d(v, t) -> bool:
+    """Whether a saved Python number may fill a 0-d array target `t` (an abstract train state from
+    `jax.eval_shape`, say, of a state saved with a Python step counter): bool into bool, an int
+    into an integer dtype that holds it or a float dtype that holds it exactly, a float into a
+    real float dtype whose range holds it (rounded to the dtype's precision, never to inf or 0)."""
+    if list(getattr(t, "shape", [None])) != [] or isinstance(v, (str, bytes)) or treepath.is_prng_key(t):
+        return False
+    dt = np.dtype(t.dtype)
+    if isinstance(v, bool) or dt == np.bool_:
+        return isinstance(v, bool) and dt == np.bool_
+    floating = jax.numpy.issubdtype(dt, jax.numpy.floating)
+    if isinstance(v, int):
+        if jax.numpy.issubdtype(dt, jax.numpy.integer):
+            info = jax.numpy.iinfo(dt)
+            return int(info.min) <= v <= int(info.max)
+        try:   # exactly: a step counter must not come back rounded
+            with np.errstate(all="ignore"):
+                return floating and int(np.asarray(v, dt).astype(np.float64)) == v
+        except (OverflowError, ValueError):   # beyond float64, or inf in the target dtype
+            return False
+    if not (isinstance(v, float) and floating):
+        return False
+    with np.errstate(all="ignore"):   # rounded to the dtype, as jnp.asarray would, but never
+        r = float(np.asarray(v, dt).astype(np.float64))   # to inf or 0 from a finite, non-zero value
+    if math.isnan(v):
+        return True
+    return not math.isnan(r) and math.isinf(r) == math.isinf(v) and (r == 0) == (v == 0)   # float8: NaN
+
+
+def _why_not_0d(v, t) -> str:
+    """Why the saved Python value `v` does not fill the 0-d array target `t` (see `_fits_0d`)."""
+    if isinstance(v, (str, bytes)):
+        return ""
+    dt = np.dtype(t.dtype)
+    name = fmt.dtype_name(dt)
+    if isinstance(v, bool) or dt == np.bool_:
+        return f" (the saved value is {v!r}: a bool fills a bool array only, and a bool array takes only a bool)"
+    if jax.numpy.issubdtype(dt, jax.numpy.integer):
+        if isinstance(v, int):
+            info = jax.numpy.iinfo(dt)
+            return f" (the saved value {v} is outside {name}'s range [{int(info.min)}, {int(info.max)}])"
+        return f" (the saved value {v!r} is a float: an integer array would truncate it)"
+    if not jax.numpy.issubdtype(dt, jax.numpy.floating):
+        return " (a saved Python number fills a real integer or float array only)"
+    if isinstance(v, int):
+        return f" (the saved value {v} is not exactly representable in {name}: it would come back rounded)"
+    return f" (the saved value {v!r} would round to {'inf' if abs(v) > 1 else 0} in {name})"
+
+
+def check(rec: dict, t, where: str) -> tuple | None:
+    """None where target leaf `t` can take the saved leaf `rec`, else (key path, what the checkpoint
+    has, what the target expects and why not): one line of an IncompatibleCheckpointError."""
+    k = kind(t)
+    if t is None:   # a placeholder (e.g. a field that is None in a fresh train state): the saved value
+        return None
+    if rec["k"] == "none":
+        return (where, "None", f"{type(t).__name__}" + (" value" if k == "host" else ""))
+    if rec["k"] == "py":
+        ok = (_family(t) == _family(rec["v"]) if k == "host"
+              else k in ("numpy", "jax") and _fits_0d(rec["v"], t))
+        has = f"{type(t).__name__}" + (" value" if k == "host" else "")
+        if k in ("numpy", "jax") and not treepath.is_prng_key(t):
+            has = f"{fmt.dtype_name(t.dtype)}{list(t.shape)}"
+            if not ok and list(t.shape) == []:
+                has += _why_not_0d(rec["v"], t)
+        return _unplaceable(t, where, _expected(rec), has) if ok else (where, _expected(rec), has)
+    if k == "host":   # a Python number stands for a 0-d numeric array (a step counter after jit)
+        ok = (_family(t) == "number" and rec["sh"] == [] and not rec.get("prng")
+              and fmt.logical_dtype(rec["dt"]).kind != "c")
+        return None if ok else (where, _expected(rec), f"{type(t).__name__} value")
+    if k == "other":
+        return (where, _expected(rec), f"unsupported target leaf {type(t).__name__}")
+    if treepath.is_prng_key(t):
+        impl = []   # the target's implementation (`key_impl` takes arrays only: a tracer is one)
+        data = jax.eval_shape(lambda k: impl.append(str(jax.random.key_impl(k))) or jax.random.key_data(k), t)
+        if (rec.get("prng") == impl[0] and list(data.shape) == rec["sh"]
+                and fmt.dtype_name(data.dtype) == rec["dt"]):
+            return _unplaceable(t, where, _expected(rec), f"key<{impl[0]}>{list(t.shape)}")
+        return (where, _expected(rec), f"key<{impl[0]}>{list(t.shape)} (key data {fmt.dtype_name(data.dtype)}"
+                                       f"{list(data.shape)})")
+    if rec.get("prng") or list(t.shape) != rec["sh"] or fmt.dtype_name(t.dtype) != rec["dt"]:
+        return (where, _expected(rec), f"{fmt.dtype_name(t.dtype)}{list(t.shape)}")
+    return _unplaceable(t, where, _expected(rec), f"{fmt.dtype_name(t.dtype)}{list(t.shape)}")
+
+
+def _unplaceable(t, where: str, expected: str, has: str) -> tuple | None:
+    """The problem, if jax cannot make the array that target leaf `t` asks for (`has`: its dtype and
+    shape, those saved): a 64-bit dtype with jax_enable_x64 off (jax would make int64 int32 and
+    float64 float32: wrong values, silently), or a sharding that does not divide the shape (jax
+    raised only once the leaf was read, naming no key path), judged as jax does (`shard_shape`)."""
+    if kind(t) != "jax":
+        return None
+    if not treepath.is_prng_key(t) and (canon := jax.dtypes.canonicalize_dtype(t.dtype)) != t.dtype:
+        return (where, expected, f"{has} on jax, which makes it {fmt.dtype_name(canon)} (wrong values) while "
+                                 f"jax_enable_x64 is off (enable jax_enable_x64, or restore it onto a numpy "
+                                 f"array target or None: host numpy)")
+    sharding = getattr(t, "sharding", None)
+    try:
+        if sharding is not None:
+            sharding.shard_shape(t.shape)
+    except ValueError:
+        return (where, expected, f"{has} sharded by {sharding}, which does not divide that shape: jax cannot "
+                                 f"place it (shard it over mesh axes whose sizes divide its dimensions, or "
+                                 f"replicate it)")
+    return None
