@@ -119,7 +119,7 @@ def write_parts(path: str, parts: list, window: np.ndarray | None = None, direct
     to write back; the copy into a window that the writer keeps from save to save costs less.
     Why a claim: on a memory file system a new file's pages are fresh memory (on that VM ~1 ms
     per MiB), an overwritten file's are not; on a disk, blocks are not allocated again.
-    Called on the writer's chunk pool (`writing._write_blob`), one window per call."""
+    Called on the writer's chunk pool (`localwrite.write_blob`), one window per call."""
     if direct and (window is None or len(window) % DIRECT_ALIGN or window.ctypes.data % DIRECT_ALIGN):
         raise ValueError("the window must be page-aligned and a whole number of blocks long")
     fd = _open_for_write(path, sum(memoryview(p).nbytes for p in parts), claim)

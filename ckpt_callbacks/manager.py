@@ -55,7 +55,8 @@ from .errors import (CheckpointError, CheckpointNotFoundError, CheckpointSaveErr
                      CorruptCheckpointError, StorageUnavailableError)
 from .retention import StepInfo, as_int, as_policies, best_policy, decide
 from .storage import open_store
-from .writing import SaveStats, Workers, WriteThrough, write_and_commit
+from .localwrite import Workers, WriteThrough
+from .writing import SaveStats, write_and_commit
 
 __all__ = ["CheckpointManager"]
 

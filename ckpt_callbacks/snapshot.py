@@ -19,7 +19,7 @@ alive, so the view keeps the value of the call: see `_on_cpu`) -- or, when this 
 bytes fit in the manager's `HostPool` (`EAGER_COPY_MAX_BYTES`), a copy at once into warm buffers
 reused from save to save, so that the next donating step need not copy (in a local directory, boxes
 whose chunk files can be written byte for byte are not copied but written at once, before `copy`
-returns: `writing.WriteThrough`); elsewhere an on-device copy,
+returns: `localwrite.WriteThrough`); elsewhere an on-device copy,
 dispatched asynchronously (one jitted copy per unreplicated leaf, `jax.device_put` with
 ``may_alias=False`` per shard otherwise) and transferred to host by the writer. With a `ByteBudget`, each copy first reserves its
 bytes and the writer releases them once written, so staging memory never exceeds the budget (the
@@ -439,7 +439,7 @@ def copy(snap: Snapshot, emit, budget: ByteBudget | None = None, pool: HostPool 
     copies of later leaves wait for the writes of earlier ones (before such a wait, `emit(("flush",))`
     asks the consumer to write the packed leaves it gathers for a blob: their bytes come back then).
     With a `pool`, host-side leaves are copied into its buffers when they fit (``snap.pooled`` then says so). Then `through`
-    (`writing.WriteThrough`, local stores) is offered each host-side box of an array leaf first:
+    (`localwrite.WriteThrough`, local stores) is offered each host-side box of an array leaf first:
     it returns a future of the files it writes from the caller's buffer, or None (then the box is
     copied). `copy` waits for those futures and emits ``("written", ArrayWrite(leaf, box, None,
     nbytes), future)`` for each (the writer takes a failure as its own). Drops the snapshot's

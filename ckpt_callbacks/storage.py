@@ -25,7 +25,7 @@ before it) may instead rename the whole hidden directory to the staging director
 files are then claimed by path; ``prune`` removes what the new manifest does not name.
 ``direct_io`` (LocalStore on ext4/XFS/btrfs/f2fs) lets `chunkwrite` send page-aligned chunk
 buffers past the page cache; ``in_memory`` (LocalStore on tmpfs/ramfs) lets a save write new chunk
-files straight from the caller's buffers (`writing.WriteThrough`), `chunkread` map chunk files
+files straight from the caller's buffers (`localwrite.WriteThrough`), `chunkread` map chunk files
 that a restore cannot read whole into one shard instead of copying them into a buffer first, and
 the store itself skip fsyncs, which such file systems implement as no-ops.
 ``leftovers`` lists only names this package creates (``step_N.tmp-*``, ``step_N.del-*``; object

@@ -14,7 +14,7 @@ Example (what `CheckpointManager` does; most users never call this directly)::
 Who calls what, in order, on which process (every process runs this function for the same step):
   1. ``store.begin`` -> staging location; process 0 creates every zarr array's metadata
      (`_Arrays.create`); barrier.
-  2. consume the queue: zarr chunk writes (local stores: `chunkwrite` on the `Workers` pools,
+  2. consume the queue: zarr chunk writes (local stores: `localwrite` on the `Workers` pools,
      straight from the snapshot's buffers, or already written during the snapshot by
      `WriteThrough` ("written" items: only fsynced here); else tensorstore futures) and msgpack
      blobs of packed leaves,
@@ -28,12 +28,9 @@ Who calls what, in order, on which process (every process runs this function for
 
 from __future__ import annotations
 
-import concurrent.futures
-import contextlib
 import dataclasses
 import functools
 import json
-import threading
 import time
 
 import msgpack
@@ -41,17 +38,13 @@ import numpy as np
 import tensorstore as ts
 
 from . import format as fmt
-from . import chunkwrite, layout
+from . import chunkwrite, layout, localwrite
 from .coordination import CoordinationTimeoutError, Coordinator, SingleProcess
 from .errors import CheckpointSaveError
-from .snapshot import BLOB_MAX_BYTES, ByteBudget, Snapshot, host_empty
+from .snapshot import BLOB_MAX_BYTES, ByteBudget, Snapshot
 from .storage import Store, submit
 
-__all__ = ["SaveStats", "Workers", "WriteThrough", "write_and_commit", "zarr_spec"]
-
-WINDOW_BYTES = 1 << 20   # a blob goes to a disk through a page-aligned window of this size (256 KiB,
-                         # 1 and 4 MiB: the same small-tree save times on the test VM)
-
+__all__ = ["SaveStats", "write_and_commit", "zarr_spec"]
 
 @dataclasses.dataclass(frozen=True)
 class SaveStats:
@@ -92,12 +85,6 @@ def zarr_spec(store: Store, rel: str, rec: dict) -> dict:
     }
 
 
-def _to_storage(a: np.ndarray, dt: str) -> np.ndarray:
-    """`a` bit-cast to its leaf's storage dtype."""
-    sdt = fmt.storage_dtype(dt)
-    return a if sdt == dt else a.view(sdt)
-
-
 def _bools(a: np.ndarray) -> np.ndarray:
     """Bool data `a` with True stored as byte 1: numpy takes any nonzero byte for True (a bool view
     of other bytes); tensorstore stores the byte as it is, then refuses to read it back ("Invalid
@@ -110,14 +97,14 @@ def _bools(a: np.ndarray) -> np.ndarray:
 def write_and_commit(store: Store, step: int, snap: Snapshot, items, *, coord: Coordinator | None = None,
                      metrics: dict | None = None, host_state: bytes | None = None,
                      budget: ByteBudget | None = None, replace: bool = False, token: str = "0" * 12,
-                     timeout_s: float = 600.0, extra: dict | None = None, workers: Workers | None = None,
+                     timeout_s: float = 600.0, extra: dict | None = None, workers: localwrite.Workers | None = None,
                      reuse_tree: bool = False) -> SaveStats:
     """Run the background part of a save. `items` has ``.get()`` yielding what `snapshot.copy` emits;
     `workers`: the pools to write and fsync local files on (None: started and ended here);
     `reuse_tree`: the staging directory may be a step directory that retention deleted (one
     process only, and nothing written into the staging directory before `store.begin`)."""
     if workers is None and store.local:
-        workers = Workers()
+        workers = localwrite.Workers()
         try:
             return write_and_commit(store, step, snap, items, coord=coord, metrics=metrics, host_state=host_state,
                                     budget=budget, replace=replace, token=token, timeout_s=timeout_s, extra=extra,
@@ -324,159 +311,6 @@ def _open_arrays(arrays: _Arrays, coord, timeout_s, barrier_name) -> None:
         raise failure
 
 
-class Workers:
-    """The writer's thread pools (local stores): `chunks` writes chunk files and blobs, `fsync`
-    makes them durable; and the page-aligned windows through which blobs go to a disk
-    (`window`, at most one per chunk thread, kept from save to save). `CheckpointManager` keeps
-    one from save to save (a save would otherwise start and end about ten threads) and closes it
-    in its own `close`; `write_and_commit` called without one starts one for the call. Tasks on
-    these pools never wait for other tasks of them."""
-
-    def __init__(self):
-        self.chunks = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="ckpt-chunk")
-        self.fsync = concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="ckpt-fsync")
-        self._windows: list = []
-        self._lock = threading.Lock()
-
-    @contextlib.contextmanager
-    def window(self):
-        """A `WINDOW_BYTES` page-aligned buffer for `chunkwrite.write_parts`, the caller's until
-        the block ends (then kept for the next caller)."""
-        with self._lock:
-            win = self._windows.pop() if self._windows else None
-        if win is None:
-            win = host_empty(WINDOW_BYTES)
-        try:
-            yield win
-        finally:
-            with self._lock:
-                self._windows.append(win)
-
-    def close(self) -> None:
-        self.chunks.shutdown(wait=True)
-        self.fsync.shutdown(wait=True)
-        self._windows.clear()
-
-
-class _EarlySync:
-    """fsync each box's chunk files, and on a disk each blob, as soon as they are written (local
-    stores only), on the `fsync` pool, so the device flushes early leaves while later ones are
-    still being written; the final `store.sync` then skips what is done. Errors re-raise from
-    `close` (the save fails)."""
-
-    def __init__(self, store: Store, pool):
-        self.store, self.pool, self.done = store, pool, set()
-        self.futures: list = []
-        self.lock = threading.RLock()   # re-entered where the pool runs `_sync` on this thread (at exit)
-        self.closed = False
-
-    def _sync(self, rel: str) -> None:
-        self.store.sync([rel])   # one file: fsynced on this thread
-        with self.lock:
-            self.done.add(rel)
-
-    def submit(self, rels: list) -> None:
-        """fsync the chunk files `rels`, just written (unless `close` was called: then the final
-        sync does; on a memory file system, where an fsync does nothing, they are done at once)."""
-        with self.lock:
-            if self.store.in_memory:
-                self.done.update(rels)
-            elif not self.closed:
-                self.futures += [submit(self.pool, self._sync, r) for r in rels]
-
-    def after(self, rels: list):
-        """A done-callback for the write future of the box whose chunk files are `rels`."""
-        def cb(fut):
-            if not fut.cancelled() and fut.exception() is None:
-                self.submit(rels)
-        return cb
-
-    def close(self) -> set:
-        """Wait for every fsync started; the relative paths made durable (a late box is left to
-        the final sync)."""
-        with self.lock:
-            self.closed = True
-        concurrent.futures.wait(self.futures)
-        for f in self.futures:
-            f.result()
-        return self.done
-
-
-def _write_blob(store: Store, rel: str, parts: list, workers: Workers) -> None:
-    """Write a blob file (`format.pack_bins`'s buffers) of a local store, over a deleted step's
-    file of its size where one is kept (`store.claim`); on a disk through one of the writer's
-    windows. Not fsynced here (`_EarlySync` does, once the write has succeeded)."""
-    path = store.path(rel)
-    if not store.direct_io:
-        chunkwrite.write_parts(path, parts, direct=False, claim=store.claim)
-        return
-    with workers.window() as win:
-        if not chunkwrite.write_parts(path, parts, win, direct=True, claim=store.claim):
-            store.direct_io = False   # this file system refused O_DIRECT: not asked again
-
-
-def _chunk_files(staging: str, rec: dict, box, data: np.ndarray) -> tuple[list, list] | None:
-    """The chunk files (relative paths) of `box` and the views of `data` they hold, or None where
-    `chunkwrite` cannot write them byte for byte."""
-    todo = chunkwrite.pieces(rec, box, data)
-    if todo is None:
-        return None
-    return [f"{staging}/{rec['z']}/{k}" for k, _ in todo], [v for _, v in todo]
-
-
-def _write_chunk_files(store: Store, rels: list, views: list, claimed: list | None = None) -> tuple[list, list]:
-    """Write chunk files (fsynced later, by the writer): over the kept files `claimed` (one per
-    file, already the caller's), else over any kept file of the right size that is left.
-    Returns `rels` and the files' CRCs."""
-    crcs = []
-    for j, (rel, view) in enumerate(zip(rels, views)):
-        claim = store.claim if claimed is None else (lambda _n, _p, old=claimed[j]: old)
-        crc, direct = chunkwrite.write_chunk(store.path(rel), view, sync=False, claim=claim, direct=store.direct_io)
-        crcs.append(crc)
-        if not direct:
-            store.direct_io = False   # this file system refused O_DIRECT: not asked again
-    return rels, crcs
-
-
-class WriteThrough:
-    """`snapshot.copy`'s `through` for a local store off a local disk (not ``store.direct_io``:
-    tmpfs, network or FUSE mounts; on a disk the pool's copies go by O_DIRECT and leave almost no
-    cached pages to overwrite): the chunk files of a host-side box (numpy, CPU jax) are written at
-    once, straight from the caller's buffer, on the chunk threads, over the files of a step that
-    retention deleted (the steady state of a run with `KeepLast`), or on a memory file system as
-    new files, instead of copying the box and writing the copy later: the state crosses memory
-    once instead of twice. Elsewhere a box without such files is declined (copied, and written
-    later).
-    `copy` waits for these writes before the save returns, so the caller may donate or mutate its
-    buffers as usual; the writer then fsyncs the files, commits and retains as for any other box.
-
-    Who calls what: `CheckpointManager.save` builds one per save (such stores, every process;
-    it acts only where the snapshot goes to the HostPool, i.e. small host-side states, and off a
-    memory file system only over files kept by this process's store: retention deletes on
-    process 0, so with several processes the others decline every box there) and hands it to
-    `snapshot.copy` on the caller's thread; the files land in the staging directory that the
-    writer thread's ``store.begin`` names (created by whichever comes first)."""
-
-    def __init__(self, store: Store, step: int, token: str, snap: Snapshot, workers: Workers):
-        self.store, self.snap, self.pool = store, snap, workers.chunks
-        self.staging = store.staging(step, token)
-
-    def __call__(self, leaf: int, box, data: np.ndarray):
-        rec = self.snap.records[leaf]
-        todo = _chunk_files(self.staging, rec, box, _to_storage(data, rec["dt"]))
-        if todo is None:
-            return None
-        rels, views = todo
-        claimed = self.store.claim_all([chunkwrite.file_bytes(v) for v in views])
-        if claimed is None and not self.store.in_memory:
-            # Elsewhere (a network or FUSE mount) only over a deleted step's files: creating a
-            # file may wait for a server, and the caller would wait for it.
-            return None
-        # In memory (tmpfs) fresh files too: their pages are filled once, here, where a copy
-        # would fill a pool buffer first and new file pages later, in the background, anyway.
-        return submit(self.pool, _write_chunk_files, self.store, rels, views, claimed)
-
-
 def _consume(store, staging, snap, items, arrays, budget, workers):
     written = files = 0
     futures = []
@@ -487,7 +321,7 @@ def _consume(store, staging, snap, items, arrays, budget, workers):
     blob_bytes = 0
     mine: set = set()
     nblob = 0
-    early = _EarlySync(store, workers.fsync) if store.local else None
+    early = localwrite.EarlySync(store, workers.fsync) if store.local else None
     # local stores: chunk files written straight from the snapshot's buffers (chunkwrite)
     chunk_pool = workers.chunks if store.local else None
 
@@ -500,7 +334,7 @@ def _consume(store, staging, snap, items, arrays, budget, workers):
         if chunk_pool:
             # a local store: on a chunk thread (the writer goes on meanwhile), over a deleted
             # step's blob where one is kept, fsynced early as chunk files are
-            pending(submit(chunk_pool, _write_blob, store, f"{staging}/{rel}", parts, workers),
+            pending(submit(chunk_pool, localwrite.write_blob, store, f"{staging}/{rel}", parts, workers),
                     [f"{staging}/{rel}"], blob_bytes)
         else:
             store.write(f"{staging}/{rel}", parts, sync=False)   # store.sync(mine) makes it durable
@@ -555,11 +389,11 @@ def _consume(store, staging, snap, items, arrays, budget, workers):
                 continue
             w = item[1]
             rec = snap.records[w.leaf]
-            data = _bools(_to_storage(np.asarray(w.data), rec["dt"]))
-            todo = _chunk_files(staging, rec, w.box, data) if chunk_pool else None
+            data = _bools(localwrite.to_storage(np.asarray(w.data), rec["dt"]))
+            todo = localwrite.chunk_files(staging, rec, w.box, data) if chunk_pool else None
             if todo is not None:
                 rels, views = todo
-                fut = submit(chunk_pool, _write_chunk_files, store, rels, views)
+                fut = submit(chunk_pool, localwrite.write_chunk_files, store, rels, views)
                 crcs.append((w.leaf, w.box, fut))
             else:
                 rels = [f"{staging}/{rec['z']}/{fmt.chunk_key(idx)}"

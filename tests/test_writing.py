@@ -15,7 +15,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import ckpt_callbacks as cc
-from ckpt_callbacks import chunkwrite, localstore, storage
+from ckpt_callbacks import chunkwrite, localstore, localwrite, storage
 from helpers import assert_tree_equal, skip_without_direct_io
 
 
@@ -472,7 +472,7 @@ def test_blobs_go_to_a_disk_through_windows_kept_from_save_to_save_and_restore_e
     import ckpt_callbacks.writing as writing_mod
     from ckpt_callbacks.verify import verify_step
     monkeypatch.setattr(writing_mod, "BLOB_MAX_BYTES", 300 << 10)   # several blobs per save
-    monkeypatch.setattr(writing_mod, "WINDOW_BYTES", 64 << 10)      # several windows per blob
+    monkeypatch.setattr(localwrite, "WINDOW_BYTES", 64 << 10)      # several windows per blob
     calls, real = [], chunkwrite.write_parts
 
     claimed = []
@@ -631,8 +631,7 @@ def _save_reusing(store, step, tree, workers):
 
 def _reuse_for(ckdir, old, new):
     """Steps 1 and 2 of `old`; step 1 deleted by retention; step 3 of `new` in its directory."""
-    from ckpt_callbacks import writing
-    store, workers = localstore.LocalStore(ckdir), writing.Workers()
+    store, workers = localstore.LocalStore(ckdir), localwrite.Workers()
     try:
         _save_reusing(store, 1, old, workers)
         _save_reusing(store, 2, old, workers)
@@ -663,8 +662,8 @@ def test_a_deleted_steps_directory_becomes_the_next_saves_and_is_overwritten_in_
     """Steady state on a disk: no directory or file is created or deleted; every chunk file is
     rewritten in place, every zarr.json kept as it is (neither written nor fsynced again); the
     step holds exactly its manifest's files and restores exactly."""
-    from ckpt_callbacks import verify, writing
-    store, workers = localstore.LocalStore(ckdir), writing.Workers()
+    from ckpt_callbacks import verify
+    store, workers = localstore.LocalStore(ckdir), localwrite.Workers()
     touched = []
     try:
         _save_reusing(store, 1, _tree_a(1), workers)
@@ -697,8 +696,8 @@ def test_a_deleted_steps_directory_becomes_the_next_saves_and_is_overwritten_in_
 def test_a_reused_directorys_zarr_json_is_written_again_unless_it_holds_this_saves_bytes(ckdir):
     """A zarr.json of the deleted step is kept only when its bytes are the ones this process
     wrote for the same metadata: a file edited meanwhile (or replaced by a link) is written anew."""
-    from ckpt_callbacks import verify, writing
-    store, workers = localstore.LocalStore(ckdir), writing.Workers()
+    from ckpt_callbacks import verify
+    store, workers = localstore.LocalStore(ckdir), localwrite.Workers()
     try:
         _save_reusing(store, 1, _tree_a(1), workers)
         _save_reusing(store, 2, _tree_a(2), workers)
@@ -748,8 +747,7 @@ def test_files_hard_linked_elsewhere_are_never_written_in_a_reused_directory(ckd
     """`cp -al` of a step that retention then deletes: the next save reuses the directory but
     never writes into a linked file: chunks, blobs and the manifest are replaced, a zarr.json
     holding this save's bytes is kept as it is."""
-    from ckpt_callbacks import writing
-    store, workers = localstore.LocalStore(ckdir), writing.Workers()
+    store, workers = localstore.LocalStore(ckdir), localwrite.Workers()
     backup = {}
     try:
         _save_reusing(store, 1, _tree_a(1), workers)
