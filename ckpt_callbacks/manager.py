@@ -195,7 +195,8 @@ class CheckpointManager:
         self._wait()
         self._caller = threading.current_thread()
         self._pool.recycle()   # the previous save's writer is joined: its copies are free again
-        token, committed, metrics = self._agree_to_save(step, metrics, refused, replace)
+        token, committed, metrics = self._agree_to_save(step, metrics, refused, replace,
+                                                        None if refused is not None else snap)
         if committed and not replace:
             if not quiet:
                 log.warning("ckpt_callbacks: step %d is already committed in %s; not saving it again "
@@ -278,7 +279,7 @@ class CheckpointManager:
                     "after it; for a new run, use a new directory.", step, steps[-1], self.store.url, steps[-1])
 
     def _agree_to_save(self, step: int, metrics: dict, refused: Exception | None,
-                       replace: bool = False) -> tuple[str, bool, dict]:
+                       replace: bool = False, snap=None) -> tuple[str, bool, dict]:
         """(the save's token, whether `step` is committed, the metrics to record), the same on every
         process: with several processes, each listing for itself could answer differently (an
         outage on one) and leave their save counters apart for good. So do a call that only one
@@ -287,10 +288,14 @@ class CheckpointManager:
         one process only: every process hears of all of it here, and refuses alike (nothing
         started; the next save tries again). The metrics recorded are process 0's, or, where it
         gave none, the first process's that did. A listing that fails fails the save everywhere
-        (CheckpointSaveError)."""
+        (CheckpointSaveError). Trees planned differently (`snapshot.structure`: another key, shape,
+        dtype or sharding on one process) are refused too, naming the first difference: each
+        process would write files the others' manifest names otherwise, and the step, committed,
+        would read as damaged."""
         pi, multi = self.coord.process_index, self.coord.process_count > 1
         why = None if refused is None else f"{type(refused).__name__}: {refused}"
-        mine, error = [step, why, metrics if refused is None else {}, None, False, None], None
+        digest, lines = snapshot.structure(snap) if multi and snap is not None else (None, None)
+        mine, error = [step, why, metrics if refused is None else {}, None, False, None, digest], None
         if pi == 0:
             try:
                 steps = self.all_steps()
@@ -318,12 +323,33 @@ class CheckpointManager:
             raise CheckpointSaveError(
                 f"step {step} was not saved: process(es) {sorted(failures)} refused the call "
                 f"({'; '.join(f'{i}: {w}' for i, w in failures.items())}); nothing was started", failures)
-        token, committed, failed = got[0][3:]
+        if len({g[6] for g in got}) > 1:
+            self._refuse_other_trees(step, got, lines)
+        token, committed, failed = got[0][3:6]
         if failed is not None:
             raise CheckpointSaveError(
                 f"step {step} was not saved: the committed steps of {self.store.url} cannot be listed "
                 f"({failed}); nothing was started, the next save tries again", {0: failed}) from error
         return token, committed, got[0][2] or next((g[2] for g in got if g[2]), {})
+
+    def _refuse_other_trees(self, step: int, got: list, lines: list) -> None:
+        """CheckpointSaveError naming, for each process whose tree differs from process 0's, the first
+        leaf that differs (every process exchanges its leaf lines: only on this failure path)."""
+        every = [msgpack.unpackb(g) for g in self.coord.all_gather(
+            f"save/{self._nsaves}/trees", msgpack.packb(lines), self.timeout_s)]
+        first, failures = every[0], {}
+        for p, other in enumerate(every[1:], 1):
+            if got[p][6] == got[0][6]:
+                continue
+            i = next((i for i, (a, b) in enumerate(zip(first, other)) if a != b), min(len(first), len(other)))
+            has = other[i] if i < len(other) else f"no leaf #{i} ({len(other)} leaves)"
+            want = first[i] if i < len(first) else f"no leaf #{i} ({len(first)} leaves)"
+            failures[p] = f"leaf #{i}: {has}; process 0: {want}" if i < max(len(first), len(other)) else \
+                "the same leaves in another tree structure"
+        raise CheckpointSaveError(
+            f"step {step} was not saved: the processes passed different trees (every process must save the "
+            f"same tree: the same keys, shapes, dtypes and shardings; per-process data goes in host_state): "
+            + "; ".join(f"process {p} at {w}" for p, w in failures.items()) + "; nothing was started", failures)
 
     def _retain(self, stats: SaveStats, token: str = "") -> SaveStats:
         """Process 0 decides and deletes; then it tells the others (who wait), so that every

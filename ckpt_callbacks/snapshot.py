@@ -32,6 +32,7 @@ import concurrent.futures
 import ctypes
 import dataclasses
 import functools
+import hashlib
 import itertools
 import math
 import mmap
@@ -40,6 +41,7 @@ import time
 from typing import Any
 
 import jax
+import msgpack
 import numpy as np
 
 from . import format as fmt
@@ -362,6 +364,25 @@ def plan(tree, *, coord: Coordinator | None = None,
     snap._boxes = [(i, b, devs, nbytes) for (i, b, devs), w, (nbytes, _)
                    in zip(box_meta, writers[:len(box_items)], box_items) if w == pi]
     return snap
+
+
+def structure(snap: Snapshot) -> tuple[bytes, list[str]]:
+    """(a digest, one line per leaf) of what every process must plan alike for one save: the tree's
+    structure, each leaf's key path, kind, dtype, shape, sharding, chunking and writer (not the
+    value of an inline Python scalar: one process's is saved). `CheckpointManager` compares the
+    digests of all processes before a save starts: processes that planned different trees would
+    write each other's files."""
+    lines = []
+    for r in snap.records:
+        line = f"{treepath.keystr([tuple(e) for e in r['p']])}: {r['k']}"
+        if "dt" in r:
+            line += f" {r['dt']}{r['sh']}" + (f" chunks {r['ch']}" if "ch" in r else "")
+            sd = r.get("sd") or {}
+            if sd.get("type") not in (None, "host"):
+                line += f" {sd['type']}" + (f" {sd.get('mesh')} {sd.get('spec')}" if "mesh" in sd else "")
+        lines.append(line + "".join(f" {k}={r[k]}" for k in ("o", "prng", "kshape", "w", "z") if k in r))
+    digest = hashlib.sha256(msgpack.packb([snap.skeleton, lines])).digest()[:16]
+    return digest, lines
 
 
 @jax.jit

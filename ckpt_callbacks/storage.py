@@ -147,10 +147,12 @@ class Store:
 
     def scrub(self, error: BaseException) -> BaseException:
         """`error` itself, or a CheckpointError carrying its redacted message (and no chained cause):
-        a `StorageUnavailableError` where the storage could not be reached or refused access."""
+        a `StorageUnavailableError` where the storage could not be reached or refused access (on an
+        object store also where the message named no endpoint, e.g. tensorstore's "ABORTED: ...
+        Timeout was reached" of a chunk write to a server that hangs)."""
         msg = str(error)
         clean = self.redact(msg)
-        if clean == msg:
+        if clean == msg and (self.local or isinstance(error, CheckpointError) or not storage_unavailable(error)):
             return error
         cls = StorageUnavailableError if storage_unavailable(error) else CheckpointError
         new = cls(f"{type(error).__name__}: {clean}").with_traceback(error.__traceback__)

@@ -232,10 +232,12 @@ def refusals(root: str, w) -> dict:
     t0 = time.monotonic()
     with cc.CheckpointManager(os.path.join(root, "m"), retention=policies, timeout_s=60) as mngr:
         mngr.save(1, {"w": w}, metrics={"loss": 0.5} if pi == 0 else None)
-        for step, kw in ((2, {"host_state": {"p": object()} if pi == 1 else None}),
-                         (3 + pi, {})):   # (process 0 saves 3, process 1 saves 4)
+        extra = {"extra": np.ones(3)} if pi == 1 else {}   # another tree on process 1: its leaves numbered apart
+        for step, tree, kw in ((2, {"w": w}, {"host_state": {"p": object()} if pi == 1 else None}),
+                               (3 + pi, {"w": w}, {}),   # (process 0 saves 3, process 1 saves 4)
+                               (4, {"w": w, **extra}, {})):
             try:
-                mngr.save(step, {"w": w}, **kw)
+                mngr.save(step, tree, **kw)
                 errors.append(None)
             except cc.CheckpointError as e:
                 errors.append([type(e).__name__, str(e)])

@@ -147,6 +147,11 @@ def test_a_call_one_process_refuses_fails_on_every_process_at_once_and_the_next_
     assert p0[0][0] == "CheckpointSaveError" and "process(es) [1] refused the call" in p0[0][1], p0
     for errors in (p0, p1):   # process 0 saved step 3, process 1 step 4
         assert errors[1][0] == "CheckpointSaveError" and "different steps ({0: 3, 1: 4})" in errors[1][1]
+        # different trees: committed, the step read as damaged (each process had written into the
+        # other's arrays) and retention deleted the last intact one; now refused before anything starts
+        assert errors[2][0] == "CheckpointSaveError" and "the processes passed different trees" in errors[2][1]
+        assert "process 1 at leaf #0: ['extra']: packed float64[3]" in errors[2][1], errors[2][1]
+        assert "process 0: ['w']:" in errors[2][1], errors[2][1]
     for r in res:
         assert r["refusal_s"] < 30 and r["refusal_steps"] == [1, 5, 6], r
 

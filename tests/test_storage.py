@@ -57,6 +57,18 @@ def test_redact_removes_endpoints_specs_and_secrets(objstore_env):
                    '<endpoint> with key <redacted>')
 
 
+def test_a_write_that_timed_out_on_an_object_store_is_storage_unavailable(objstore_env, tmp_path):
+    """A chunk write to a server that hangs fails in tensorstore with a ValueError naming no endpoint;
+    it reached a failed save as that ValueError, where the docs promise StorageUnavailableError."""
+    timeout = ValueError('ABORTED: Error writing "run/step_0000000002/arrays/0/c/0/0": All 2 retry attempts '
+                         'failed: CURL error Timeout was reached: Operation too slow. [curl_code=\'28\']')
+    got = open_store("s3://ckpt-test/run").scrub(timeout)
+    assert isinstance(got, cc.StorageUnavailableError) and "Timeout was reached" in str(got)
+    assert open_store(str(tmp_path)).scrub(timeout) is timeout   # a local store's errors are its own
+    other = ValueError("INVALID_ARGUMENT: not about the storage")
+    assert open_store("s3://ckpt-test/run").scrub(other) is other
+
+
 def test_async_save_then_restore_resharded(objstore):
     tree = tree_at(3)
     host = tree["params"]["b"]
