@@ -37,7 +37,7 @@ Who calls what, in which order (Keras calls the hooks; on every process under mu
   * `on_train_end`: waits for the last save, applies retention, closes the manager; a background
     failure is raised here, never swallowed.
 
-A save takes ``model.getkeras_state.state_tree()`` (trainable, non-trainable incl. seed-generator state,
+A save takes ``model.get_state_tree()`` (`ckpt_callbacks.keras_state`; trainable, non-trainable incl. seed-generator state,
 optimizer incl. iteration, metrics; the optimizer's auto-numbered name is stored as "optimizer")
 after `model.jax_state_sync()` (mid-epoch the JAX trainer keeps
 the live state outside the variables and donates it every step; the manager copies it before
@@ -362,7 +362,7 @@ class AsyncCheckpoint(keras.callbacks.Callback):
         self._close_abandoned()
         self._refuse_another_in_this_fit()
         self._check_epochs_are_passes()
-        keras_state.state_tree(self.model)              # a model whose state cannot be saved fails now, not after an epoch
+        keras_state.state_tree(self.model)   # a model whose state cannot be saved fails now, not after an epoch
         self._mode = self._resolved_mode()
         self.manager = CheckpointManager(self.directory, retention=self._policies(self._mode),
                                          async_save=self.async_save, max_staging_bytes=self.max_staging_bytes)
