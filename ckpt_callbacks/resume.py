@@ -104,24 +104,27 @@ def read(mngr, step, target, fallback: bool):
                     f"falling back to step {nxt}" if nxt is not None else "no older step to fall back to")
     raise CorruptCheckpointError(f"every committed step up to {candidates[0]} in {mngr.store.url} is damaged")
 
+
 def named(url: str, step: int, e: CorruptCheckpointError) -> CorruptCheckpointError:
     """`e` saying which step of which run is damaged, and the ways out (once)."""
     if getattr(e, "step_named", False):
         return e
-    named = CorruptCheckpointError(
+    out = CorruptCheckpointError(
         f"step {step} in {url} is damaged: {e}\nFix: resume from the newest intact step "
         f"(CheckpointManager.restore(fallback=True), CheckpointHook.restore_or_init(..., "
         f"fallback=True), AsyncCheckpoint(..., fallback=True)), or find the damaged steps "
         f"with `ckpt-callbacks verify {url} --all` and remove them.",
         getattr(e, "key_path", None))
-    named.step_named = True
-    return named
+    out.step_named = True
+    return out
+
 
 def check_host_state(mngr, step: int) -> None:
     """Read this process's host state of `step`, if it saved one (CorruptCheckpointError if damaged)."""
     m = restore_mod.read_manifest(mngr.store, step)
     if mngr.coord.process_index in (m.get("host") or {}):
         restore_mod.read_host_state(mngr.store, step, m, mngr.coord.process_index)
+
 
 def agreed_candidates(mngr, fallback: bool) -> list[int]:
     """The steps every process tries, newest first (all with `fallback`, else the latest), as
