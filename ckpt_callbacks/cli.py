@@ -125,7 +125,7 @@ def _pick_step(store, step):
 
 def _best(manifests: dict, best_arg):
     """(policy dict, where it came from, best step or None)."""
-    from .retention import KeepBest, StepInfo
+    from .retention import KeepBest, KeepBestBeyond, StepInfo
     src = "--best"
     spec = best_arg
     if spec is None:
@@ -137,11 +137,10 @@ def _best(manifests: dict, best_arg):
     if spec is None:
         return None, None, None
     infos = [StepInfo(s, 0.0, m.get("metrics") or {}) for s, m in manifests.items() if isinstance(m, dict)]
-    policy = KeepBest(spec["metric"], spec.get("mode", "min"), spec.get("n", 1) or 1)
+    args = (spec["metric"], spec.get("mode", "min"), spec.get("n", 1) or 1)
+    th = spec.get("threshold")   # a step must beat it to rank, as the run ranked
+    policy = KeepBestBeyond(*args, th) if isinstance(th, (int, float)) else KeepBest(*args)
     ranked = policy.rank(infos)
-    if isinstance(th := spec.get("threshold"), (int, float)):   # a step must beat it to rank (as the run ranked)
-        value = {i.step: float(i.metrics[policy.metric]) for i in infos if i.step in ranked}
-        ranked = [s for s in ranked if (value[s] < th if policy.mode == "min" else value[s] > th)]
     return spec, src, (ranked[0] if ranked else None)
 
 
@@ -344,7 +343,7 @@ def cmd_verify(args, store, out) -> int:
 def cmd_gc(args, store, out) -> int:
     from . import lock
     from .errors import ConfigError
-    from .retention import StepInfo, best_policy, decide, retention_from_config
+    from .retention import StepInfo, best_policy, decide, has_number, retention_from_config
     from .verify import problem_text
     config = {"keep_last": args.keep_last, "keep_every": args.keep_every, "keep_best": args.keep_best,
               "keep_steps": args.keep_steps, "keep_every_n_seconds": args.keep_every_n_seconds}
@@ -375,8 +374,7 @@ def cmd_gc(args, store, out) -> int:
                  for s, m in ms.items() if isinstance(m, dict)]
         bp = best_policy(policies)
         if bp is not None and infos and not bp.rank(infos):   # a typo would keep no best at all
-            seen = sorted({k for i in infos for k, v in i.metrics.items()
-                           if isinstance(v, (int, float)) and not isinstance(v, bool)})
+            seen = sorted({k for i in infos for k in i.metrics if has_number(i.metrics, k)})
             sys.stderr.write(f"ckpt-callbacks gc: --keep-best {bp.metric}: no committed step reported "
                              f"{bp.metric!r} (as a number; they report: {', '.join(seen) or 'no metrics'}), so it "
                              f"would keep no best step; nothing deleted. Fix: check the metric's name, or "

@@ -64,7 +64,7 @@ from .checks import check_flag, check_save_options
 from .errors import CheckpointError, ConfigError, IncompatibleCheckpointError
 from .keras_data import ResumableDataset
 from .manager import CheckpointManager
-from .retention import KeepBest, KeepLast, as_policies
+from .retention import KeepBest, KeepBestBeyond, KeepLast, as_policies
 
 __all__ = ["AsyncCheckpoint", "ResumableDataset"]
 
@@ -93,19 +93,6 @@ def _dir_key(directory) -> str:
 
 
 _RAN_OUT = "Your input ran out of data"
-
-
-class _KeepBestBeyond(KeepBest):
-    """KeepBest whose candidates must also beat `threshold` (Keras' ``initial_value_threshold``)."""
-
-    def __init__(self, metric, mode, n, threshold):
-        super().__init__(metric, mode, n)
-        object.__setattr__(self, "threshold", float(threshold))
-
-    def rank(self, infos):
-        ok = (lambda v: v < self.threshold) if self.mode == "min" else (lambda v: v > self.threshold)
-        by_step = {i.step: i for i in infos}
-        return [s for s in super().rank(infos) if ok(float(by_step[s].metrics[self.metric]))]
 
 
 def _state_of(data):
@@ -348,7 +335,7 @@ class AsyncCheckpoint(keras.callbacks.Callback):
             if self.initial_value_threshold is None:
                 policies.insert(0, KeepBest(self.monitor, mode, self.keep_best))
             else:
-                policies.insert(0, _KeepBestBeyond(self.monitor, mode, self.keep_best, self.initial_value_threshold))
+                policies.insert(0, KeepBestBeyond(self.monitor, mode, self.keep_best, self.initial_value_threshold))
         return policies if (policies or self._base_policies is not None) else None
 
     def on_train_begin(self, logs=None):

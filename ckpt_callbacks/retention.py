@@ -124,14 +124,29 @@ class KeepBest(Policy):
             if math.isnan(v):
                 return (1, 0.0, -i.step)
             return (0, v if self.mode == "min" else -v, -i.step)
-        cands = [i for i in infos if _has_number(i.metrics, self.metric)]
+        cands = [i for i in infos if has_number(i.metrics, self.metric)]
         return [i.step for i in sorted(cands, key=key)]
 
     def keep(self, infos):
         return set(self.rank(infos)[:self.n])
 
 
-def _has_number(metrics, name) -> bool:
+class KeepBestBeyond(KeepBest):
+    """KeepBest whose candidates must also beat `threshold` (the Keras callback's
+    ``initial_value_threshold``; `ckpt-callbacks ls` ranks by it too, from the manifest's
+    ``extra.keep_best.threshold``)."""
+
+    def __init__(self, metric, mode, n, threshold):
+        super().__init__(metric, mode, n)
+        object.__setattr__(self, "threshold", float(threshold))
+
+    def rank(self, infos):
+        ok = (lambda v: v < self.threshold) if self.mode == "min" else (lambda v: v > self.threshold)
+        by_step = {i.step: i for i in infos}
+        return [s for s in super().rank(infos) if ok(float(by_step[s].metrics[self.metric]))]
+
+
+def has_number(metrics, name) -> bool:
     v = (metrics or {}).get(name)
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
