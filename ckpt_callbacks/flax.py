@@ -48,7 +48,8 @@ When it saves: at steps where ``step % every_steps == 0``, at `on_steps`, when `
 since the last save, at every step called with eval `metrics` (``save_on_eval=True``; this is what
 lets `KeepBest` rank evaluations, and a step without metrics is never a best candidate), and on
 preemption. With none of the three schedules given, it saves every step (like the manager's
-default ``save_interval_steps=1``); an empty `on_steps` alone is refused (`ConfigError`).
+default ``save_interval_steps=1``); an empty `on_steps` alone schedules no step (as CLU's): the hook
+then saves at eval steps and on preemption only (with ``save_on_eval=False`` it is a `ConfigError`).
 
 Eval metrics: pass them as ``hook(step, state, metrics=...)``, or call ``report_eval(step,
 metrics)`` *before* ``hook(step, ...)`` for that step. Metrics are written in the step's manifest
@@ -191,12 +192,15 @@ class CheckpointHook:
         except TypeError:   # not a collection: an int, a str, a 0-d numpy array
             raise ConfigError(f"on_steps must be a collection of steps (e.g. [1000, 5000]), got {on_steps!r}") from None
         if self.every_steps is None and self.every_secs is None and not self.on_steps:
-            if on_steps is not None:   # given, but empty: neither "every step" nor "never" is what it says
+            # an empty on_steps, given, schedules no step (as CLU's): saves come with eval metrics
+            # and on preemption only; with neither kind of save left, it is refused
+            if on_steps is not None and not save_on_eval:
                 raise ConfigError(
-                    f"on_steps={on_steps!r} is empty and no every_steps / every_secs is given, so no step is "
-                    f"scheduled. Fix: list the steps to save, give every_steps= or every_secs=, or leave all "
-                    f"three unset to save every step.")
-            self.every_steps = 1
+                    f"on_steps={on_steps!r} is empty, no every_steps / every_secs is given and save_on_eval=False, "
+                    f"so nothing would be saved but on preemption. Fix: list the steps to save, give every_steps= "
+                    f"or every_secs=, or leave all three unset to save every step.")
+            if on_steps is None:
+                self.every_steps = 1
         if on_preemption not in ("flag", "raise"):
             raise ConfigError(f"on_preemption must be 'flag' or 'raise', got {on_preemption!r}")
         self.on_preemption = on_preemption
@@ -414,5 +418,5 @@ class CheckpointHook:
         return self
 
     def __exit__(self, exc_type, exc, tb):
-        close_on_exit(self.close, exc, self.manager.store.url)
+        close_on_exit(self.close, exc, self.manager.store)
         return False

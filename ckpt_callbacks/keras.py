@@ -521,6 +521,10 @@ class AsyncCheckpoint(keras.callbacks.Callback):
                         "%d is not the same place in the data: the epoch continues from there all the same "
                         "(resume from an epoch-end step to avoid this)", step, batch, epoch + 1, int(saved_steps),
                         steps, batch)
+            if batch >= steps:   # nothing of that epoch is left (Keras fails on an epoch that runs no step)
+                log.warning("ckpt_callbacks: batch %d is at or past the end of this fit's epochs: resuming at the "
+                            "start of epoch %d", batch, epoch + 2)
+                epoch, batch = epoch + 1, 0
         if batch and self._state_iterator():
             log.warning("ckpt_callbacks: step %d was saved after batch %d of epoch %d; the iterator continues "
                         "at the next unseen batch, but Keras runs all of that epoch's steps_per_epoch batches "
@@ -638,9 +642,10 @@ class AsyncCheckpoint(keras.callbacks.Callback):
 
     def on_epoch_end(self, epoch, logs=None):
         self._exit_warn_ctx()
-        self._check_data_is_read()
         with self._ended_changed:   # Keras has waited for every batch-end hook of the epoch
             self._advance(self._ended)
+        if self._batch > self._skip:   # (a resumed epoch with no batch left reads nothing)
+            self._check_data_is_read()
         self._since_save = 0
         metrics = keras_state.numeric_logs(logs)
         current = metrics.get(self.monitor)

@@ -590,7 +590,7 @@ class CheckpointManager:
         return self
 
     def __exit__(self, exc_type, exc, tb):
-        shutdown.close_on_exit(self.close, exc, self.store.url)
+        shutdown.close_on_exit(self.close, exc, self.store)
         return False
 
     def __del__(self):

@@ -78,18 +78,23 @@ def watch(manager) -> None:
         _exit_hook = True
 
 
-def close_on_exit(close, exc: BaseException | None, url: str) -> None:
-    """`close()` for a ``with`` block (the manager's, the Flax hook's). Leaving it normally, a
-    background failure is raised. Leaving it by an exception, that exception goes on (a failed save
-    must not replace, say, the KeyboardInterrupt or the bug that ended training) and the failure
-    of closing is logged and added to it as a note: told, never swallowed."""
+def close_on_exit(close, exc: BaseException | None, store) -> None:
+    """`close()` for a ``with`` block (the manager's, the Flax hook's) over `store`. Leaving it
+    normally, a background failure is raised. Leaving it by an exception, that exception goes on (a
+    failed save must not replace, say, the KeyboardInterrupt or the bug that ended training) and the
+    failure of closing is logged and added to it as a note (redacted, as every message about an
+    object store): told, never swallowed."""
     if exc is None:
         close()
         return
     try:
         close()
     except Exception as e:  # noqa: BLE001 - told on the exception that is propagating
-        text = f"{type(e).__name__}: {e}"
+        text = store.redact(f"{type(e).__name__}: {e}")
         log.error("ckpt_callbacks: closing the CheckpointManager of %s, while the `with` block raised %s, "
-                  "failed too: %s", url, type(exc).__name__, text)
-        exc.add_note(f"ckpt_callbacks: closing the CheckpointManager of {url} also failed: {text}")
+                  "failed too: %s", store.url, type(exc).__name__, text)
+        note = f"ckpt_callbacks: closing the CheckpointManager of {store.url} also failed: {text}"
+        if hasattr(exc, "add_note"):
+            exc.add_note(note)
+        else:   # Python 3.10: what add_note keeps, by hand
+            exc.__notes__ = [*getattr(exc, "__notes__", []), note]

@@ -367,20 +367,21 @@ def plan(tree, *, coord: Coordinator | None = None,
 
 
 def structure(snap: Snapshot) -> tuple[bytes, list[str]]:
-    """(a digest, one line per leaf) of what every process must plan alike for one save: the tree's
-    structure, each leaf's key path, kind, dtype, shape, sharding, chunking and writer (not the
-    value of an inline Python scalar: one process's is saved). `CheckpointManager` compares the
-    digests of all processes before a save starts: processes that planned different trees would
-    write each other's files."""
+    """(a digest, one line per leaf) of what every process must plan alike for one save, i.e. what
+    decides which files hold which bytes: the tree's structure, each leaf's key path, kind, dtype
+    and shape, a packed leaf's writer, an array leaf's sharding and chunking (not the value of an
+    inline Python scalar, nor whether a packed value came as numpy or jax: one process's copy is
+    saved). `CheckpointManager` compares the digests of all processes before a save starts:
+    processes that planned different trees would write each other's files."""
     lines = []
     for r in snap.records:
         line = f"{treepath.keystr([tuple(e) for e in r['p']])}: {r['k']}"
         if "dt" in r:
-            line += f" {r['dt']}{r['sh']}" + (f" chunks {r['ch']}" if "ch" in r else "")
+            line += f" {r['dt']}{r['sh']}"
+        if r["k"] == "array":
             sd = r.get("sd") or {}
-            if sd.get("type") not in (None, "host"):
-                line += f" {sd['type']}" + (f" {sd.get('mesh')} {sd.get('spec')}" if "mesh" in sd else "")
-        lines.append(line + "".join(f" {k}={r[k]}" for k in ("o", "prng", "kshape", "w", "z") if k in r))
+            line += f" chunks {r['ch']} {sd.get('type')}" + (f" {sd.get('mesh')} {sd.get('spec')}" if "mesh" in sd else "")
+        lines.append(line + "".join(f" {k}={r[k]}" for k in ("prng", "kshape", "w", "z") if k in r))
     digest = hashlib.sha256(msgpack.packb([snap.skeleton, lines])).digest()[:16]
     return digest, lines
 

@@ -98,7 +98,10 @@ def _why_not_0d(v, t) -> str:
         return " (a saved Python number fills a real integer or float array only)"
     if isinstance(v, int):
         return f" (the saved value {v} is not exactly representable in {name}: it would come back rounded)"
-    return f" (the saved value {v!r} would round to {'inf' if abs(v) > 1 else 0} in {name})"
+    with np.errstate(all="ignore"):
+        r = float(np.asarray(v, dt).astype(np.float64))
+    becomes = "NaN (it has no inf)" if math.isnan(r) else "inf" if math.isinf(r) else "0"
+    return f" (the saved value {v!r} would become {becomes} in {name})"
 
 
 def check(rec: dict, t, where: str) -> tuple | None:

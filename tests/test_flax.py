@@ -451,16 +451,21 @@ def test_save_of_a_step_saved_or_being_saved_is_a_quiet_no_op(ckdir, caplog):
     assert cc.CheckpointManager(ckdir, read_only=True).all_steps() == [10, 11]
 
 
-@pytest.mark.parametrize("on_steps", [5, "100", 2.5, np.array(5), [], ()])
+@pytest.mark.parametrize("on_steps", [5, "100", 2.5, np.array(5)])
 def test_on_steps_must_be_a_collection_of_steps(ckdir, on_steps):
-    # an empty one alone schedules nothing: it saved every step (as if no schedule were given)
     with pytest.raises(cc.ConfigError, match="on_steps"):
         CheckpointHook(ckdir, on_steps=on_steps, preemption_signals=())
 
 
-def test_an_empty_on_steps_beside_another_schedule_adds_no_step(ckdir):
-    with CheckpointHook(ckdir, every_steps=4, on_steps=[], preemption_signals=()) as hook:
+def test_an_empty_on_steps_schedules_no_step(ckdir):
+    """It saved every step (as if no schedule were given). As CLU's: no step is scheduled; eval steps
+    still save; beside another schedule it adds nothing; with save_on_eval=False nothing would be saved."""
+    with CheckpointHook(ckdir, on_steps=[], preemption_signals=()) as hook:
+        assert [s for s in range(1, 10) if hook(s, _tree(s), metrics={"loss": 1.0} if s == 6 else None)] == [6]
+    with CheckpointHook(ckdir + "2", every_steps=4, on_steps=(), preemption_signals=()) as hook:
         assert [s for s in range(1, 10) if hook(s, _tree(s))] == [4, 8]
+    with pytest.raises(cc.ConfigError, match="nothing would be saved but on preemption"):
+        CheckpointHook(ckdir + "3", on_steps=[], save_on_eval=False, preemption_signals=())
 
 
 @pytest.mark.parametrize("step", [True, np.bool_(False), 3.0, "3", np.float32(3), -1])

@@ -306,15 +306,17 @@ def test_python_scalar_target_leaves_match_only_their_kind_and_none_stands_for_a
         m.restore(3, target={"lr": np.zeros((), np.float32), "n": np.zeros((), np.int32), "s": jnp.float32(0),
                              "f": np.zeros((), np.int8), "b": np.zeros((), np.int32), "c": np.zeros((), np.float32)})
     text = str(e.value)
-    for why in ["['lr']: checkpoint has float value, target expects float32[] (the saved value 1e+40 would round to inf",
+    for why in ["['lr']: checkpoint has float value, target expects float32[] (the saved value 1e+40 would become inf",
                 "['n']: checkpoint has int value, target expects int32[] (the saved value 2147483648 is outside "
                 "int32's range [-2147483648, 2147483647])",
-                "['s']: checkpoint has float value, target expects float32[] (the saved value 1e-50 would round to 0",
+                "['s']: checkpoint has float value, target expects float32[] (the saved value 1e-50 would become 0 ",
                 "['f']: checkpoint has float value, target expects int8[] (the saved value 0.5 is a float",
                 "['b']: checkpoint has bool value, target expects int32[] (the saved value is True: a bool fills",
                 "['c']: checkpoint has int value, target expects float32[] (the saved value 16777217 is not exactly "
                 "representable in float32"]:
         assert why in text, (why, text)
+    with pytest.raises(cc.IncompatibleCheckpointError, match=r"1e\+40 would become NaN \(it has no inf\) in float8_e4m3fn"):
+        m.restore(3, target={"lr": np.zeros((), jnp.float8_e4m3fn), "n": None, "s": None, "f": None, "b": None, "c": None})
 
 
 def test_a_saved_python_number_fills_a_0d_array_target_that_holds_it_exactly(ckdir):

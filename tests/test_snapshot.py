@@ -191,3 +191,26 @@ def test_leaves_the_format_cannot_hold_as_they_are_are_refused_at_save_naming_th
         with pytest.raises(cc.InvalidTreeError, match=r"at \['opt'\]\[1\]: " + message):
             m.save(1, {"opt": [np.zeros(2), leaf]})
         assert m.all_steps() == []
+
+
+def test_the_structure_digest_changes_with_the_files_a_plan_writes_and_only_with_them(devices):
+    """What processes compare before a save (`CheckpointManager._agree_to_save`): equal where every
+    file would hold the same bytes' places, different where a key, shape, dtype or an array's
+    sharding differs (processes then wrote into each other's arrays)."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    mesh = Mesh(np.array(devices).reshape(4, 2), ("a", "b"))
+    big = np.zeros((1024, 1280), np.float32)   # above PACK_MAX_BYTES: a zarr array
+    rows, cols = NamedSharding(mesh, P("a", None)), NamedSharding(mesh, P(None, "b"))
+
+    def digest(tree):
+        return snapshot.structure(snapshot.plan(tree))[0]
+    base = {"n": np.float32(1), "v": np.ones(3, np.float32), "s": 3, "w": jax.device_put(big, rows)}
+    same = [{**base, "n": np.array(1, np.float32)},          # a numpy scalar or a 0-d array: the same bytes
+            {**base, "v": jnp.ones(3, jnp.float32)},         # a packed value from numpy or jax
+            {**base, "s": 4}]                                # an inline scalar's value (process 0's is saved)
+    other = [{**base, "extra": np.ones(3)}, {**base, "v": np.ones(4, np.float32)},
+             {**base, "v": np.ones(3, np.float64)}, {**base, "w": jax.device_put(big, cols)}]
+    assert all(digest(t) == digest(base) for t in same)
+    assert len({digest(base)} | {digest(t) for t in other}) == 1 + len(other)
+    lines = snapshot.structure(snapshot.plan(other[0]))[1]
+    assert lines[0].startswith("['extra']: packed float64[3]")
