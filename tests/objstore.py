@@ -50,22 +50,32 @@ _PROXY_VARS = ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY", "all_pr
 _counter = itertools.count()
 
 
+_HANDED_OUT: set = set()
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free now and not handed out before in this process: the kernel may give a port
+    just released to the next bind(0) again, and two servers were then started on one port (the
+    GCS emulator's readiness probe was answered by moto, and every GCS request went to S3)."""
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
 
 
-def _http(method: str, url: str, timeout: float = 5.0) -> int:
-    """One request to a local server, never through a proxy."""
+def _http(method: str, url: str, timeout: float = 5.0, body: bool = False):
+    """One request to a local server, never through a proxy: its status (and body, with `body`)."""
     assert url.startswith("http://127.0.0.1:"), url
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     req = urllib.request.Request(url, data=b"" if method == "PUT" else None, method=method)
     try:
         with opener.open(req, timeout=timeout) as r:
-            return r.status
+            return (r.status, r.read()) if body else r.status
     except urllib.error.HTTPError as e:
-        return e.code
+        return (e.code, e.read()) if body else e.code
 
 
 class _Gate:
@@ -188,6 +198,10 @@ class Emulator:
     def _wait_ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         probe = f"{self.endpoint}/" if self.kind == "s3" else f"{self.endpoint}/storage/v1/b/{BUCKET}"
+        # what only the right server answers, and what the other kind answers (another server on
+        # the port answers too, and was taken for this one: moto answers the GCS probe with an XML
+        # 404 "NoSuchBucket"); anything else: not ready yet
+        mark, other = (b"ListAllMyBucketsResult", b"{") if self.kind == "s3" else (b"storage#bucket", b"<?xml")
         while True:
             if self._port_taken():
                 raise _PortTaken(f"{self.kind} emulator: port {self.server_port} is taken")
@@ -195,8 +209,11 @@ class Emulator:
                 raise RuntimeError(f"{self.kind} emulator exited with {self.proc.returncode}; see "
                                    f"{self.workdir}/{self.kind}-server.log")
             try:
-                if _http("GET", probe, timeout=2.0) < 500:
+                status, text = _http("GET", probe, timeout=2.0, body=True)
+                if status < 500 and mark in text:
                     return
+                if text.lstrip().startswith(other):
+                    raise _PortTaken(f"{self.kind} emulator: another server answers on port {self.server_port}")
             except OSError:
                 pass
             if time.monotonic() > deadline:

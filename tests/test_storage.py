@@ -650,3 +650,23 @@ def test_an_open_managers_metrics_of_a_step_whose_manifest_went_raise_on_an_obje
         with pytest.raises(cc.CorruptCheckpointError, match="manifest cannot be read"):
             m.metrics(1)
         assert m.all_steps() == [1, 2] and m.metrics(2) == {"l": 2.0}
+
+
+def test_a_test_server_started_on_a_port_another_server_holds_moves_to_another(tmp_path):
+    """CI once ran every GCS test against moto: the GCS emulator's port was the one moto had (the
+    kernel hands a just-released port to the next bind(0) again), and moto's 404 answered the
+    emulator's readiness probe. The fixture's servers now prove who they are."""
+    import objstore as objstore_mod
+    s3 = objstore_mod.Emulator("s3", str(tmp_path))
+    gs = objstore_mod.Emulator("gs", str(tmp_path))
+    s3.start()
+    try:
+        gs.server_port = gs.gate.backend_port = s3.server_port   # the collision
+        gs.start()
+        assert gs.server_port != s3.server_port
+        status, body = objstore_mod._http("GET", f"{gs.endpoint}/storage/v1/b/{objstore_mod.BUCKET}", body=True)
+        assert status == 200 and b"storage#bucket" in body
+    finally:
+        gs.stop()
+        s3.stop()
+    assert len({objstore_mod.free_port() for _ in range(200)}) == 200   # never the same port twice
