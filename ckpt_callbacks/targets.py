@@ -52,54 +52,41 @@ def _family(v) -> str:
     return "bytes" if isinstance(v, bytes) else "str" if isinstance(v, str) else "number"
 
 
-def _fits_0d(v, t) -> bool:
-    """Whether a saved Python number may fill a 0-d array target `t` (an abstract train state from
-    `jax.eval_shape`, say, of a state saved with a Python step counter): bool into bool, an int
-    into an integer dtype that holds it or a float dtype that holds it exactly, a float into a
-    real float dtype whose range holds it (rounded to the dtype's precision, never to inf or 0)."""
+def _why_not_0d(v, t) -> str | None:
+    """None where a saved Python number may fill a 0-d array target `t` (an abstract train state
+    from `jax.eval_shape`, say, of a state saved with a Python step counter): bool into bool, an
+    int into an integer dtype that holds it or a float dtype that holds it exactly, a float into a
+    real float dtype whose range holds it (rounded to the dtype's precision, never to inf or 0).
+    Else why not: " (...)" for the message, "" where `t` is no 0-d array or `v` no number."""
     if list(getattr(t, "shape", [None])) != [] or isinstance(v, (str, bytes)) or treepath.is_prng_key(t):
-        return False
-    dt = np.dtype(t.dtype)
-    if isinstance(v, bool) or dt == np.bool_:
-        return isinstance(v, bool) and dt == np.bool_
-    floating = jax.numpy.issubdtype(dt, jax.numpy.floating)
-    if isinstance(v, int):
-        if jax.numpy.issubdtype(dt, jax.numpy.integer):
-            info = jax.numpy.iinfo(dt)
-            return int(info.min) <= v <= int(info.max)
-        try:   # exactly: a step counter must not come back rounded
-            with np.errstate(all="ignore"):
-                return floating and int(np.asarray(v, dt).astype(np.float64)) == v
-        except (OverflowError, ValueError):   # beyond float64, or inf in the target dtype
-            return False
-    if not (isinstance(v, float) and floating):
-        return False
-    with np.errstate(all="ignore"):   # rounded to the dtype, as jnp.asarray would, but never
-        r = float(np.asarray(v, dt).astype(np.float64))   # to inf or 0 from a finite, non-zero value
-    if math.isnan(v):
-        return True
-    return not math.isnan(r) and math.isinf(r) == math.isinf(v) and (r == 0) == (v == 0)   # float8: NaN
-
-
-def _why_not_0d(v, t) -> str:
-    """Why the saved Python value `v` does not fill the 0-d array target `t` (see `_fits_0d`)."""
-    if isinstance(v, (str, bytes)):
         return ""
     dt = np.dtype(t.dtype)
     name = fmt.dtype_name(dt)
     if isinstance(v, bool) or dt == np.bool_:
+        if isinstance(v, bool) and dt == np.bool_:
+            return None
         return f" (the saved value is {v!r}: a bool fills a bool array only, and a bool array takes only a bool)"
     if jax.numpy.issubdtype(dt, jax.numpy.integer):
-        if isinstance(v, int):
-            info = jax.numpy.iinfo(dt)
-            return f" (the saved value {v} is outside {name}'s range [{int(info.min)}, {int(info.max)}])"
-        return f" (the saved value {v!r} is a float: an integer array would truncate it)"
+        if not isinstance(v, int):
+            return f" (the saved value {v!r} is a float: an integer array would truncate it)"
+        info = jax.numpy.iinfo(dt)
+        if int(info.min) <= v <= int(info.max):
+            return None
+        return f" (the saved value {v} is outside {name}'s range [{int(info.min)}, {int(info.max)}])"
     if not jax.numpy.issubdtype(dt, jax.numpy.floating):
         return " (a saved Python number fills a real integer or float array only)"
-    if isinstance(v, int):
+    try:   # rounded to the dtype, as jnp.asarray would
+        with np.errstate(all="ignore"):
+            r = float(np.asarray(v, dt).astype(np.float64))
+    except OverflowError:   # an int beyond float64
+        r = math.inf
+    if isinstance(v, int):   # exactly: a step counter must not come back rounded
+        if math.isfinite(r) and int(r) == v:
+            return None
         return f" (the saved value {v} is not exactly representable in {name}: it would come back rounded)"
-    with np.errstate(all="ignore"):
-        r = float(np.asarray(v, dt).astype(np.float64))
+    # never to inf or 0 from a finite, non-zero value (nor to NaN: float8 types without inf)
+    if math.isnan(v) or (not math.isnan(r) and math.isinf(r) == math.isinf(v) and (r == 0) == (v == 0)):
+        return None
     becomes = "NaN (it has no inf)" if math.isnan(r) else "inf" if math.isinf(r) else "0"
     return f" (the saved value {v!r} would become {becomes} in {name})"
 
@@ -113,13 +100,11 @@ def check(rec: dict, t, where: str) -> tuple | None:
     if rec["k"] == "none":
         return (where, "None", f"{type(t).__name__}" + (" value" if k == "host" else ""))
     if rec["k"] == "py":
-        ok = (_family(t) == _family(rec["v"]) if k == "host"
-              else k in ("numpy", "jax") and _fits_0d(rec["v"], t))
+        why = _why_not_0d(rec["v"], t) if k in ("numpy", "jax") else ""
+        ok = _family(t) == _family(rec["v"]) if k == "host" else why is None
         has = f"{type(t).__name__}" + (" value" if k == "host" else "")
         if k in ("numpy", "jax") and not treepath.is_prng_key(t):
-            has = f"{fmt.dtype_name(t.dtype)}{list(t.shape)}"
-            if not ok and list(t.shape) == []:
-                has += _why_not_0d(rec["v"], t)
+            has = f"{fmt.dtype_name(t.dtype)}{list(t.shape)}" + (why or "")
         return _unplaceable(t, where, _expected(rec), has) if ok else (where, _expected(rec), has)
     if k == "host":   # a Python number stands for a 0-d numeric array (a step counter after jit)
         ok = (_family(t) == "number" and rec["sh"] == [] and not rec.get("prng")
