@@ -496,20 +496,20 @@ class AsyncCheckpoint(keras.callbacks.Callback):
                 f"committed, or that raised), so resuming would train on them first; nothing was "
                 f"restored. Fix: pass a new cb.batches() to each fit().")
         progress = tree["progress"]
-        if int(progress["batch"]) and self.data is None:   # before anything is loaded
+        epoch, batch = int(progress["epoch"]), int(progress["batch"])
+        if batch and self.data is None:   # before anything is loaded
             raise ConfigError(
-                f"AsyncCheckpoint: step {step} in {self.manager.store.url} was saved inside epoch "
-                f"{int(progress['epoch']) + 1}, after batch {int(progress['batch'])} (by a run with data= or an "
-                f"int save_freq), but this AsyncCheckpoint has no data=, so fit() would train on that epoch's first "
-                f"{int(progress['batch'])} batches again; nothing was restored. Fix: pass data= as the run that saved "
-                f"it did (the ResumableDataset also given to fit(), or the iterator), or data=False to "
-                f"restart that epoch from its first batch.")
+                f"AsyncCheckpoint: step {step} in {self.manager.store.url} was saved inside epoch {epoch + 1}, "
+                f"after batch {batch} (by a run with data= or an int save_freq), but this AsyncCheckpoint has no "
+                f"data=, so fit() would train on that epoch's first {batch} batches again; nothing was restored. "
+                f"Fix: pass data= as the run that saved it did (the ResumableDataset also given to fit(), or the "
+                f"iterator), or data=False to restart that epoch from its first batch.")
         values = tree["model"]
         keras_state.assign(model, values)
         self._resumed_metrics = keras_state.flatten(values["metrics_variables"])
-        p = progress
-        epoch, batch, self._global_step = int(p["epoch"]), int(p["batch"]), int(p["global_step"])
-        self.best = None if p["best"] is None or math.isnan(p["best"]) else float(p["best"])
+        self._global_step = int(progress["global_step"])
+        best = progress["best"]
+        self.best = None if best is None or math.isnan(best) else float(best)
         if host.get("rng"):
             keras_state.set_rng_state(host["rng"])
         if move_data:
