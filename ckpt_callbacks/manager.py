@@ -111,6 +111,7 @@ class CheckpointManager:
         self._damaged: dict[int, str] = {}   # committed steps whose manifest could not be read: why
         self.restored_step: int | None = None   # the step the last restore() read
         self._warned_below = False   # `_warn_below` said it once
+        self._top_saved = -1   # the highest step this manager committed (`_warn_below`)
         self._thread: threading.Thread | None = None
         self._pool = snapshot.HostPool()   # warm buffers for the copies of host-side leaves
         self._workers: Workers | None = None   # the writer's threads, started at the first save
@@ -234,6 +235,7 @@ class CheckpointManager:
                 self._infos[step] = StepInfo(step, save_time, metrics)
                 self._info_tokens[step] = self._local_token(step)
                 self._damaged.pop(step, None)   # a forced save replaced a damaged step
+                self._top_saved = max(self._top_saved, step)
                 stats = self._retain(stats, token)
                 self.history.append(stats)
                 log.info("ckpt_callbacks: committed step %d to %s: %.1f MB, blocking %.3fs, total %.3fs%s",
@@ -268,8 +270,9 @@ class CheckpointManager:
         new run started in an old run's directory without restoring: retention ranks steps by
         number, so `KeepLast` deletes such a step right after it commits, and a later restore
         reads the old run's latest; a step that run committed is not saved again (the Flax hook
-        skips it without a word). Said, not refused: the save goes on."""
-        if self._warned_below or not steps or step >= steps[-1]:
+        skips it without a word). Said, not refused: the save goes on. Not said where this manager
+        committed the latest step itself (the run is this one; e.g. a final save of an earlier step)."""
+        if self._warned_below or not steps or step >= steps[-1] or self._top_saved >= steps[-1]:
             return
         self._warned_below = True
         log.warning("ckpt_callbacks: saving step %d below the latest committed step %d in %s (an earlier "

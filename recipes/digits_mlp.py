@@ -4,7 +4,7 @@ Example (a fresh machine with Python 3.11; see README.md)::
 
     python recipes/digits_mlp.py --config recipes/digits_mlp.yaml
     python recipes/digits_mlp.py --config recipes/digits_mlp.yaml --set train.steps=60 \
-        --set checkpoint.directory=/tmp/digits --timeline /tmp/digits.html
+        --set train.interrupt_at=30 --set checkpoint.directory=/tmp/digits --timeline /tmp/digits.html
 
 What happens, in order, on one process:
   1. The config is loaded (`ckpt_callbacks.config.load_config`): where checkpoints go, how often,
@@ -191,6 +191,10 @@ def main(argv=None) -> int:
     from ckpt_callbacks.storage import open_store
     cfg = load_config(args.config, train_defaults=TRAIN_DEFAULTS, overrides=args.set)
     kill_at = cfg.train["interrupt_at"] or None
+    if kill_at is not None and kill_at >= cfg.train["steps"]:
+        print(f"train.interrupt_at={kill_at} is not below train.steps={cfg.train['steps']}: training without "
+              f"an interruption (e.g. --set train.interrupt_at={cfg.train['steps'] // 2} to see one)", flush=True)
+        kill_at = None
     if args.child:
         train(cfg, kill_at=kill_at, log=lambda m: print(f"[run 1] {m}", flush=True))
         return 0

@@ -451,6 +451,22 @@ def test_save_of_a_step_saved_or_being_saved_is_a_quiet_no_op(ckdir, caplog):
     assert cc.CheckpointManager(ckdir, read_only=True).all_steps() == [10, 11]
 
 
+def test_saving_an_earlier_step_of_this_run_again_is_quiet(ckdir, caplog):
+    """hook.save of a step this run committed, below the run's own latest: skipped without the
+    manager's "below an earlier run's latest step" warning (this run saved that latest step)."""
+    hook = CheckpointHook(ckdir, on_steps=[5, 8], preemption_signals=())
+    state, start = hook.restore_or_init(_tree(0))
+    assert start == 0
+    with caplog.at_level("WARNING", "ckpt_callbacks"):
+        for step in range(1, 9):
+            hook(step, _tree(step))
+        hook.wait_until_finished()
+        assert hook.save(5, _tree(5)) is False
+    hook.close()
+    assert not caplog.records, [r.getMessage() for r in caplog.records]
+    assert cc.CheckpointManager(ckdir, read_only=True).all_steps() == [5, 8]
+
+
 @pytest.mark.parametrize("on_steps", [5, "100", 2.5, np.array(5)])
 def test_on_steps_must_be_a_collection_of_steps(ckdir, on_steps):
     with pytest.raises(cc.ConfigError, match="on_steps"):

@@ -87,6 +87,8 @@ def test_saving_below_an_earlier_runs_latest_step_is_said_once(ckdir, caplog):
     with caplog.at_level(logging.WARNING, "ckpt_callbacks"):
         with cc.CheckpointManager(ckdir, retention=cc.KeepLast(3)) as m:
             m.save(11, tree(11))                 # continuing: nothing to say
+            m.wait_until_finished()
+            m.save(7, tree(7))                   # below this run's own latest step: nothing either
     assert "below the latest" not in caplog.text
 
 

@@ -85,8 +85,11 @@ def test_main_job_is_killed_resumes_and_ends_like_an_uninterrupted_run(tmp_path)
     s = json.load(open(tmp_path / "a.json"))
     assert s["resumed_from"] in (20, 30)   # 30 unless its write was still in flight at the kill
     assert s["saved_this_run"] == list(range(s["resumed_from"] + 10, 61, 10))
-    run_recipe("digits_mlp.py", *SMALL, "--set", f"checkpoint.directory={b}", "--set", "train.interrupt_at=0",
-               "--summary-json", str(tmp_path / "b.json"))
+    # (an interrupt_at not below train.steps: trained straight through, as with 0)
+    out = run_recipe("digits_mlp.py", *SMALL, "--set", f"checkpoint.directory={b}", "--set", "train.interrupt_at=60",
+                     "--summary-json", str(tmp_path / "b.json"))
+    assert "train.interrupt_at=60 is not below train.steps=60: training without an interruption" in out
+    assert "run 1:" not in out
     t = json.load(open(tmp_path / "b.json"))
     assert t["resumed_from"] is None and t["saved_this_run"] == [10, 20, 30, 40, 50, 60]
     # retention: the 2 newest + the 2 best by val_accuracy (max), identical in both runs
