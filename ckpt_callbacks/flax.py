@@ -160,7 +160,15 @@ def _positive_or_none(name, v, kind=int):
 
 
 class CheckpointHook:
-    """Saves a training loop's state on a schedule; resumes it. See the module docstring.
+    """Saves a training loop's state on a schedule; resumes it.
+
+    Example (the methods' examples continue this one)::
+
+        import jax.numpy as jnp
+        from ckpt_callbacks.flax import CheckpointHook
+        hook = CheckpointHook("/tmp/run", every_steps=10, retention={"keep_last": 2})
+
+    The order of calls, on which thread and process, and what is saved: see the module docstring.
 
     Args:
       directory_or_manager: a directory / ``s3://`` / ``gs://`` URL (the hook then owns a
@@ -232,6 +240,10 @@ class CheckpointHook:
         """Return ``(state, start_step)``: the latest committed checkpoint applied to `state`, or
         ``(state, 0)`` when there is none.
 
+        Example::
+
+            state, step = hook.restore_or_init({"w": jnp.zeros(3)})   # a new directory: step 0
+
         `state` is the freshly initialised train state: its leaves give the shardings, shapes and
         dtypes to restore onto (a different mesh than at save time is fine). NNX objects are
         updated in place and returned; other pytrees come back as a new tree. The data iterator's
@@ -293,6 +305,10 @@ class CheckpointHook:
     def report_eval(self, step, metrics: dict) -> None:
         """Record eval `metrics` for `step`; the coming ``hook(step, ...)`` call saves them with it.
 
+        Example::
+
+            hook.report_eval(step + 1, {"val_loss": 0.5})   # before hook(step + 1, ...)
+
         Must come before ``hook(step, state)`` for that step: after it, raises `ConfigError`.
         """
         self._check_open()
@@ -308,6 +324,13 @@ class CheckpointHook:
 
     def __call__(self, step, state, metrics: dict | None = None) -> bool:
         """Call after every training step with the number of steps done; True when a save started.
+
+        Example::
+
+            while step < 25:
+                state = {"w": state["w"] + 1}
+                step += 1
+                hook(step, state)   # True at 10 and 20 (every_steps), and at 1 (its eval metrics)
 
         On a preemption step the save is committed before this returns; then `should_stop` is
         True (or `Preempted` is raised with ``on_preemption="raise"``).
@@ -343,6 +366,10 @@ class CheckpointHook:
 
     def save(self, step, state, *, metrics: dict | None = None) -> bool:
         """Save `step` now, whatever the schedule (e.g. the final step); True when a save started.
+
+        Example::
+
+            hook.save(step, state)   # 25, off the schedule: True
 
         Returns False, quietly, when `step` is already committed or being saved (the schedule saved
         it; a resumed run reaching a saved step).
@@ -393,7 +420,13 @@ class CheckpointHook:
 
     # -- end --------------------------------------------------------------------------------------
     def wait_until_finished(self) -> None:
-        """Wait for the save in flight (and its retention); re-raise a background failure."""
+        """Wait for the save in flight (and its retention); re-raise a background failure.
+
+        Example::
+
+            hook.wait_until_finished()
+            hook.manager.all_steps()   # [20, 25]: keep_last=2
+        """
         self.manager.wait_until_finished()
 
     def _check_open(self):
@@ -401,7 +434,12 @@ class CheckpointHook:
             raise CheckpointError("this CheckpointHook is closed")
 
     def close(self) -> None:
-        """Wait for the save in flight, restore the previous signal handlers, close an owned manager."""
+        """Wait for the save in flight, restore the previous signal handlers, close an owned manager.
+
+        Example::
+
+            hook.close()   # or use the hook as a context manager: ``with CheckpointHook(...) as hook:``
+        """
         if self._closed:
             return
         self._closed = True

@@ -127,7 +127,19 @@ def _newest_intact(manager: CheckpointManager, latest: int) -> int:
 
 
 class AsyncCheckpoint(keras.callbacks.Callback):
-    """Checkpoints `model.fit` asynchronously and resumes it exactly. See the module docstring.
+    """Checkpoints `model.fit` asynchronously and resumes it exactly.
+
+    Example::
+
+        import keras, numpy as np
+        from ckpt_callbacks.keras import AsyncCheckpoint
+        model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+        model.compile("adam", "mse", metrics=["mae"])
+        cb = AsyncCheckpoint("/tmp/run", monitor="val_mae", keep_best=2, keep_last=1)   # "auto": mae minimizes
+        model.fit(np.ones((32, 2)), np.ones((32, 1)), validation_split=0.25, epochs=3, callbacks=[cb], verbose=0)
+        cb.manager.all_steps(), cb.manager.best_step()   # the run's kept steps and its best by val_mae
+
+    When Keras calls which hook and what each does: see the module docstring.
 
     Keras may run `on_train_batch_end` off the main thread (``async_safe``): a batch-end hook
     that Keras must call in line makes it turn every batch's logs into Python floats first, i.e.
@@ -249,9 +261,14 @@ class AsyncCheckpoint(keras.callbacks.Callback):
 
         Example::
 
-            it = iter(grain_dataset)                     # yields (x, y) batches
-            cb = AsyncCheckpoint("/tmp/run", data=it)
-            model.fit(cb.batches(), steps_per_epoch=100, epochs=10, callbacks=[cb])
+            import grain, keras, numpy as np
+            from ckpt_callbacks.keras import AsyncCheckpoint
+            xy = np.random.default_rng(0).random((256, 5), np.float32)
+            it = iter(grain.MapDataset.source(xy).repeat(None).batch(32).map(lambda b: (b[:, :4], b[:, 4:])))
+            model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+            model.compile("sgd", "mse")
+            cb = AsyncCheckpoint("/tmp/grain_run", data=it, save_freq=5)   # saves it.get_state() with each step
+            model.fit(cb.batches(), steps_per_epoch=8, epochs=2, callbacks=[cb], verbose=0)
 
         Keras reads the first two items of a generator before any callback runs (to learn their
         shapes) and trains on them first, so the iterator must be at the checkpoint's position
@@ -731,7 +748,12 @@ class AsyncCheckpoint(keras.callbacks.Callback):
         return started
 
     def wait_until_finished(self) -> None:
-        """Wait for the save in flight and its retention; re-raise its failure."""
+        """Wait for the save in flight and its retention; re-raise its failure (`fit` waits at its end).
+
+        Example::
+
+            cb.wait_until_finished()
+        """
         if self.manager is not None:
             self.manager.wait_until_finished()
 

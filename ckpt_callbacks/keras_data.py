@@ -60,7 +60,22 @@ log = logging.getLogger("ckpt_callbacks")
 
 
 class ResumableDataset(keras.utils.PyDataset):
-    """A `PyDataset` view of `dataset` that can start an epoch at any batch. See the module docstring.
+    """A `PyDataset` view of `dataset` that can start an epoch at any batch.
+
+    Example::
+
+        import keras, numpy as np
+        from ckpt_callbacks.keras_data import ResumableDataset
+        class Squares(keras.utils.PyDataset):
+            def __len__(self):
+                return 4
+            def __getitem__(self, i):
+                return np.full((2, 1), i, np.float32), np.full((2, 1), i * i, np.float32)
+        ds = ResumableDataset(Squares(), shuffle_seed=0)
+        ds.set_position(epoch=1, skip=3)   # what AsyncCheckpoint does when a run resumed after batch 3
+        len(ds), ds[0]                     # 1 batch left: the last of epoch 1's shuffled order
+
+    Who calls what, and Keras' worker threads: see the module docstring.
 
     Args:
       dataset: an index-based `keras.utils.PyDataset` with a finite `num_batches` (or `__len__`);

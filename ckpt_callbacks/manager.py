@@ -64,7 +64,17 @@ log = logging.getLogger("ckpt_callbacks")
 
 
 class CheckpointManager:
-    """Saves, retains and restores the steps of one training run. See the module docstring.
+    """Saves, retains and restores the steps of one training run.
+
+    Example (the methods' examples continue this one)::
+
+        import jax, jax.numpy as jnp
+        import ckpt_callbacks as cc
+        mngr = cc.CheckpointManager("/tmp/run", retention=cc.KeepLast(2))
+        for step in (1, 2, 3):
+            mngr.save(step, {"w": jnp.full(3, step)}, metrics={"loss": 1 / step})
+
+    The order of calls, the threads and the processes: see the module docstring.
 
     Args:
       directory: local path, ``file://``, ``s3://bucket/prefix`` or ``gs://bucket/prefix``.
@@ -156,6 +166,10 @@ class CheckpointManager:
     def save(self, step: int, tree, *, metrics: dict | None = None, force: bool = False,
              host_state=None) -> bool:
         """Save `tree` as `step` if due; returns True when a save started (async: after the snapshot).
+
+        Example::
+
+            mngr.save(4, {"w": jnp.full(3, 4)}, metrics={"loss": 0.25}, host_state={"data": {"pos": 4}})  # True
 
         `metrics` (str -> number) are stored in the manifest and drive `KeepBest`. `host_state`
         is this process's own msgpack-able state (e.g. a data iterator's `get_state()`).
@@ -430,7 +444,12 @@ class CheckpointManager:
             raise e
 
     def wait_until_finished(self) -> None:
-        """Wait for the save in flight and its retention deletions; re-raise a background failure."""
+        """Wait for the save in flight and its retention deletions; re-raise a background failure.
+
+        Example::
+
+            mngr.wait_until_finished()   # step 4 committed and step 2 deleted (KeepLast(2)), or the failure raised
+        """
         self._check_process()
         with self._turn:
             try:
@@ -467,16 +486,32 @@ class CheckpointManager:
 
     # -- reading ------------------------------------------------------------------------------
     def all_steps(self) -> list[int]:
-        """Committed steps, ascending."""
+        """Committed steps, ascending (never a step still being written).
+
+        Example::
+
+            mngr.all_steps()   # [3, 4]
+        """
         return self.store.committed_steps()
 
     def latest_step(self) -> int | None:
+        """The newest committed step; None when there is none.
+
+        Example::
+
+            mngr.latest_step()   # 4
+        """
         steps = self.all_steps()
         return steps[-1] if steps else None
 
     def metrics(self, step: int) -> dict | None:
         """The metrics saved with `step`; None when it is not committed. A step whose manifest
-        cannot be read raises `CorruptCheckpointError`."""
+        cannot be read raises `CorruptCheckpointError`.
+
+        Example::
+
+            mngr.metrics(4)   # {'loss': 0.25}
+        """
         step = check_step(step)
         if step not in self.all_steps():
             return None
@@ -491,7 +526,13 @@ class CheckpointManager:
         return None if info is None else dict(info.metrics)
 
     def best_step(self) -> int | None:
-        """Best committed step by the KeepBest policy in `retention`; None without one."""
+        """Best committed step by the KeepBest policy in `retention`; None without one.
+
+        Example::
+
+            mngr.best_step()   # None: this manager's retention has no KeepBest
+            cc.CheckpointManager("/tmp/run", read_only=True, retention=cc.KeepBest("loss")).best_step()   # 4
+        """
         p = best_policy(self.policies)
         if p is None:
             return None
@@ -500,6 +541,12 @@ class CheckpointManager:
 
     def restore(self, step: int | None = None, target=None, *, fallback: bool = False):
         """Restore `step` (latest committed when None) onto `target` (see `ckpt_callbacks.restore`).
+
+        Example::
+
+            mngr.restore()["w"]   # the latest step as host numpy: array([4, 4, 4], dtype=int32)
+            device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+            mngr.restore(3, target={"w": jax.ShapeDtypeStruct((3,), jnp.int32, sharding=device)})   # jax.Arrays
 
         With several processes and ``step=None``, process 0 picks the latest step and tells the
         others, so every process restores the same step even while a save commits concurrently.
@@ -532,6 +579,10 @@ class CheckpointManager:
     def host_state(self, step: int | None = None, process_index: int | None = None, *, remap=None):
         """This process's host state saved with `step` (None if none was saved).
 
+        Example::
+
+            mngr.host_state(4)   # {'data': {'pos': 4}}
+
         Host state is saved per process index. When the checkpoint was written by a different
         number of processes than this run has, this raises `IncompatibleCheckpointError` unless
         you say which state this process takes: ``process_index=`` (read that saved process's
@@ -562,7 +613,12 @@ class CheckpointManager:
     # -- lifetime -----------------------------------------------------------------------------
     def close(self) -> None:
         """Wait for the save in flight (re-raising its failure), then release the directory. In a
-        forked child, the parent's manager is only marked closed there (the parent's to close)."""
+        forked child, the parent's manager is only marked closed there (the parent's to close).
+
+        Example::
+
+            mngr.close()   # or use the manager as a context manager: ``with cc.CheckpointManager(...) as mngr:``
+        """
         if os.getpid() != self._pid:
             self._closed = True
             return

@@ -62,7 +62,13 @@ def _positive(name, n):
 
 @dataclasses.dataclass(frozen=True)
 class KeepLast(Policy):
-    """Keep the `n` newest steps."""
+    """Keep the `n` newest steps.
+
+    Example::
+
+        import ckpt_callbacks as cc
+        cc.KeepLast(2).keep([cc.StepInfo(10), cc.StepInfo(20), cc.StepInfo(30)])   # {20, 30}
+    """
     n: int
 
     def __post_init__(self):
@@ -74,7 +80,13 @@ class KeepLast(Policy):
 
 @dataclasses.dataclass(frozen=True)
 class KeepEvery(Policy):
-    """Keep steps that are multiples of `n` (e.g. every 1000th step as a permanent record)."""
+    """Keep steps that are multiples of `n` (e.g. every 1000th step as a permanent record).
+
+    Example::
+
+        import ckpt_callbacks as cc
+        cc.KeepEvery(1000).keep([cc.StepInfo(s) for s in (500, 1000, 1500, 2000)])   # {1000, 2000}
+    """
     n: int
 
     def __post_init__(self):
@@ -86,7 +98,13 @@ class KeepEvery(Policy):
 
 @dataclasses.dataclass(frozen=True)
 class KeepSteps(Policy):
-    """Keep exactly these steps when they exist."""
+    """Keep exactly these steps when they exist.
+
+    Example::
+
+        import ckpt_callbacks as cc
+        cc.KeepSteps([5000]).keep([cc.StepInfo(s) for s in (4000, 5000, 6000)])   # {5000}
+    """
     steps: frozenset
 
     def __init__(self, steps: Iterable[int]):
@@ -105,7 +123,15 @@ class KeepSteps(Policy):
 
 @dataclasses.dataclass(frozen=True)
 class KeepBest(Policy):
-    """Keep the `n` best steps by `metric` (`mode` "min" or "max"); steps without it never rank."""
+    """Keep the `n` best steps by `metric` (`mode` "min" or "max"); steps without it never rank.
+
+    Example::
+
+        import ckpt_callbacks as cc
+        infos = [cc.StepInfo(1, metrics={"val_loss": 0.5}), cc.StepInfo(2, metrics={"val_loss": 0.3}),
+                 cc.StepInfo(3)]                        # step 3 reported no val_loss: never ranks
+        cc.KeepBest("val_loss", mode="min", n=1).keep(infos)   # {2}
+    """
     metric: str
     mode: str = "min"
     n: int = 1
@@ -153,7 +179,14 @@ def has_number(metrics, name) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class KeepEveryNSeconds(Policy):
-    """Keep the first step saved in each window of `seconds` (by the save time in the manifest)."""
+    """Keep the first step saved in each window of `seconds` (by the save time in the manifest).
+
+    Example::
+
+        import ckpt_callbacks as cc
+        infos = [cc.StepInfo(1, time=0.0), cc.StepInfo(2, time=1800.0), cc.StepInfo(3, time=3700.0)]
+        cc.KeepEveryNSeconds(3600).keep(infos)   # {1, 3}
+    """
     seconds: float
 
     def __post_init__(self):
@@ -205,6 +238,13 @@ _KEYS = ("keep_last", "keep_every", "keep_steps", "keep_best", "keep_every_n_sec
 
 def retention_from_config(config: Mapping, where: str = "retention") -> list[Policy]:
     """Build policies from a dict such as ``{"keep_last": 3, "keep_best": {"metric": "val_loss"}}``.
+
+    Example::
+
+        import ckpt_callbacks as cc
+        cc.retention_from_config({"keep_last": 3, "keep_every": 1000,
+                                  "keep_best": {"metric": "val_acc", "mode": "max", "n": 2}})
+        # [KeepLast(n=3), KeepEvery(n=1000), KeepBest(metric='val_acc', mode='max', n=2)]
 
     Unknown keys and bad values raise ConfigError naming the key. A key set to None counts as
     absent, and so does an empty ``keep_steps`` (a YAML ``keep_steps: []`` means "no milestones",

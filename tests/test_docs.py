@@ -68,3 +68,59 @@ def test_every_module_docstring_example_runs_as_written(tmp_path):
                        env={**os.environ, "JAX_PLATFORMS": "cpu", "KERAS_BACKEND": "jax",
                             "XLA_FLAGS": "--xla_force_host_platform_device_count=8"})
     assert r.returncode == 0 and r.stdout.strip().endswith("all ran"), r.stdout[-6000:] + r.stderr[-2000:]
+
+
+# Entry points whose own docstrings start with a runnable example (besides their modules'): a
+# class's methods continue its example, in the order they are defined (as doctest shares names).
+_ENTRY_POINTS = r'''
+import inspect, os, sys, textwrap, traceback
+import ckpt_callbacks as cc
+from ckpt_callbacks.keras import AsyncCheckpoint, ResumableDataset
+from ckpt_callbacks.flax import CheckpointHook
+tmp = sys.argv[1]
+
+def example(obj):
+    doc = inspect.getdoc(obj) or ""
+    head, sep, rest = doc.partition("::\n")
+    paragraphs = head.split("\n\n")   # the summary, then the example
+    if not sep or len(paragraphs) > 2 or not paragraphs[-1].startswith("Example"):
+        return None
+    block = []
+    for line in rest.splitlines():
+        if line.strip() and not line.startswith("    "):
+            break
+        block.append(line)
+    return textwrap.dedent("\n".join(block))
+
+classes = [cc.CheckpointManager, AsyncCheckpoint, CheckpointHook, ResumableDataset]
+functions = [cc.retention_from_config, cc.KeepLast, cc.KeepEvery, cc.KeepSteps, cc.KeepBest, cc.KeepEveryNSeconds]
+missing, failed, ran = [], [], 0
+for obj in classes + functions:
+    members = []
+    if obj in classes[:3]:   # their methods are entry points too (not the hooks Keras calls)
+        members = [(n, v) for n, v in vars(obj).items()
+                   if callable(v) and not n.startswith("_") and not n.startswith("on_")]
+    ns = {"__name__": f"example_{obj.__name__}"}
+    os.makedirs(f"{tmp}/{obj.__name__}")
+    for name, o in [(obj.__name__, obj)] + [(f"{obj.__name__}.{n}", v) for n, v in members]:
+        code = example(o)
+        if code is None:
+            missing.append(name)
+            continue
+        code = code.replace("/tmp/", f"{tmp}/{obj.__name__}/")
+        try:
+            exec(compile(code, f"<{name} docstring>", "exec"), ns)
+            ran += 1
+        except BaseException:
+            failed.append(f"{name}: {traceback.format_exc()[-1500:]}")
+            break
+print(f"missing: {missing}\nfailed: {failed}\nran {ran}")
+'''
+
+
+def test_entry_point_docstrings_start_with_an_example_that_runs(tmp_path):
+    r = subprocess.run([sys.executable, "-c", _ENTRY_POINTS, str(tmp_path)], capture_output=True, text=True,
+                       timeout=600, cwd=tmp_path,
+                       env={**os.environ, "JAX_PLATFORMS": "cpu", "KERAS_BACKEND": "jax"})
+    out = r.stdout
+    assert r.returncode == 0 and "missing: []\nfailed: []\nran 26" in out, out[-6000:] + r.stderr[-3000:]
