@@ -63,6 +63,15 @@ __all__ = ["CheckpointManager"]
 log = logging.getLogger("ckpt_callbacks")
 
 
+def _began(t: threading.Thread, within_s: float = 5.0) -> bool:
+    """Whether thread `t` runs (or ran), for a `start()` that an exception interrupted: it
+    either never started the thread or did, and then the thread sets its ident at once."""
+    deadline = time.monotonic() + within_s
+    while t.ident is None and time.monotonic() < deadline:
+        time.sleep(0.001)
+    return t.ident is not None
+
+
 class CheckpointManager:
     """Saves, retains and restores the steps of one training run.
 
@@ -264,16 +273,22 @@ class CheckpointManager:
         # use the cores that the paused training leaves idle, where later they would be taken
         # from training (Keras fit on disk, 2 vCPUs, six interleaved A/Bs: per-round median
         # overheads 2-10 points lower, hooks ~1 ms longer; docs/benchmarks-log.md).
-        self._thread = threading.Thread(target=run, name=f"ckpt_callbacks-save-{step}", daemon=True)
-        self._thread.start()
+        # (a KeyboardInterrupt may land anywhere from here on, inside `start()` too: the writer
+        # then gets the abort all the same, or, where it never began, its clean-up runs here)
+        self._thread = t = threading.Thread(target=run, name=f"ckpt_callbacks-save-{step}", daemon=True)
         try:
+            t.start()
             through = WriteThrough(self.store, step, token, snap, self._workers) if through_ok else None
             snapshot.copy(snap, items.put, budget, self._pool, through)
         except BaseException as e:
             items.put(("abort", e))
             items.put(None)
-            self._thread.join()   # it takes the abort and cleans up as usual
-            self._thread, self._error = None, None
+            self._thread = None
+            if _began(t):
+                t.join()   # it takes the abort and cleans up as usual
+            else:
+                run()
+            self._error = None
             raise
         if not self.async_save:
             self._wait()

@@ -912,3 +912,35 @@ def test_numpy_and_jax_integers_are_ints_everywhere_and_numpy_metrics_keep_their
             cc.CheckpointManager(ckdir, read_only=True, save_interval_steps=bad)
         with pytest.raises(cc.ConfigError):
             cc.KeepLast(bad)
+
+
+@pytest.mark.parametrize("where", ["after", "before"])
+def test_a_keyboard_interrupt_inside_the_writers_start_leaves_a_manager_that_works(ckdir, monkeypatch, where):
+    """Ctrl-C lands in `Thread.start()` (which waits for the new thread): with the writer started
+    ("after") or not ("before"). The save is aborted and cleaned up either way; waiting, closing
+    and the next save work (they hung: the writer waited for snapshot items that never came)."""
+    from ckpt_callbacks import manager as manager_mod
+    armed = [True]
+
+    class Thread(threading.Thread):
+        def start(self):
+            fire = armed[0] and self.name.startswith("ckpt_callbacks-save-")
+            if fire and where == "before":
+                armed[0] = False
+                raise KeyboardInterrupt
+            super().start()
+            if fire:
+                armed[0] = False
+                raise KeyboardInterrupt
+
+    m = cc.CheckpointManager(ckdir, async_save=where == "after")
+    m.save(1, tree(1))
+    m.wait_until_finished()
+    monkeypatch.setattr(manager_mod.threading, "Thread", Thread)
+    with pytest.raises(KeyboardInterrupt):
+        m.save(2, tree(2))
+    m.wait_until_finished()
+    assert m.all_steps() == [1] and not [n for n in os.listdir(ckdir) if ".tmp-" in n]
+    assert m.save(2, tree(2))
+    m.close()
+    assert_tree_equal(cc.CheckpointManager(ckdir, read_only=True).restore(2), tree(2))
