@@ -371,13 +371,12 @@ class CheckpointHook:
 
             hook.save(step, state)   # 25, off the schedule: True
 
-        Returns False, quietly, when `step` is already committed or being saved (the schedule saved
-        it; a resumed run reaching a saved step).
+        Returns False, quietly, when `step` is already committed (the schedule saved it; a resumed
+        run reaching a saved step); a save of `step` in flight is waited for first, and its failure
+        raised (then the next ``save(step, ...)`` saves it).
         """
         self._check_open()
         step = _as_step(step)
-        if step == self.last_saved_step:   # saved, or being saved: a no-op
-            return False
         host = None
         if self.data_iterator is not None:
             host = {_ITER_KEY: self.data_iterator.get_state()}
@@ -406,9 +405,9 @@ class CheckpointHook:
         return preempted, timer, evaled
 
     def _stop(self, step) -> None:
+        self.manager.wait_until_finished()   # a failure leaves the request standing: the next call saves again
         if self._watcher is not None:       # handled: a loop that goes on saves on schedule again
             self._watcher.requested = False
-        self.manager.wait_until_finished()
         saved = self.manager.latest_step()
         self.should_stop = True
         sig = signal.Signals(self._watcher.signum).name if self._watcher and self._watcher.signum else "a peer"

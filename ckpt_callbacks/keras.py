@@ -250,9 +250,6 @@ class AsyncCheckpoint(keras.callbacks.Callback):
         self._replace: set[int] = set()   # damaged steps a fallback went past: saved anew when reached
 
     # -- set-up -------------------------------------------------------------------------------
-    def _ranked_metrics(self) -> set:
-        return {p.metric for p in (self.manager.policies or []) if isinstance(p, KeepBest)}
-
     def _state_iterator(self) -> bool:
         return self.data not in (None, False) and not isinstance(self.data, ResumableDataset)
 
@@ -330,6 +327,11 @@ class AsyncCheckpoint(keras.callbacks.Callback):
         return [m for container in getattr(self.model, "metrics", [])
                 for m in getattr(container, "metrics", [container])]
 
+    def _known_metrics(self) -> str:
+        known = sorted({n for m in self._compiled_metrics() if isinstance(n := getattr(m, "name", None), str)})
+        return (f"mode='auto' knows losses and the model's compiled metrics ({', '.join(known) or 'none yet'}; "
+                f"'val_' + a name for validation)")
+
     def _policies(self, mode: str | None):
         policies = list(self._base_policies or [])
         if self._auto_best is not None:
@@ -337,18 +339,17 @@ class AsyncCheckpoint(keras.callbacks.Callback):
             best_mode = self._resolved_mode(metric)
             if best_mode is None:
                 raise ConfigError(f"retention.keep_best: cannot tell whether {metric!r} should be minimized or "
-                                  f"maximized. Fix: give it a mode ('min' or 'max').")
+                                  f"maximized: {self._known_metrics()}. Fix: check the name's spelling, or give "
+                                  f"it a mode ('min' or 'max').")
             config = {**self._auto_best, "keep_best": {**self._auto_best["keep_best"], "mode": best_mode}}
             policies = as_policies(config) or []
         if self.keep_last is not None:
             policies.append(KeepLast(self.keep_last))
         if self.keep_best is not None:
             if mode is None:
-                known = sorted({n for m in self._compiled_metrics() if isinstance(n := getattr(m, "name", None), str)})
                 raise ConfigError(f"keep_best: cannot tell whether monitor={self.monitor!r} should be minimized "
-                                  f"or maximized: mode='auto' knows losses and the model's compiled metrics "
-                                  f"({', '.join(known) or 'none yet'}; 'val_' + a name for validation). Fix: "
-                                  f"check the name's spelling, or pass mode='min' or mode='max'.")
+                                  f"or maximized: {self._known_metrics()}. Fix: check the name's spelling, or "
+                                  f"pass mode='min' or mode='max'.")
             if self.initial_value_threshold is None:
                 policies.insert(0, KeepBest(self.monitor, mode, self.keep_best))
             else:
@@ -432,7 +433,6 @@ class AsyncCheckpoint(keras.callbacks.Callback):
         self._loss_at = 0   # the step (within the epoch) whose batch-end hook set `_last_loss`
         self._resume_at, self._resumed_metrics = None, None
         self._data_saved = None
-        self._monitor_warned = False
         self._replace = set()
         self._last_loss = None   # the running loss of the last batch-end hook (`_skip_nonfinite`)
         # batches read from a ResumableDataset `data` before this fit trained: fit() must read on from it
@@ -665,13 +665,7 @@ class AsyncCheckpoint(keras.callbacks.Callback):
             self._check_data_is_read()
         self._since_save = 0
         metrics = keras_state.numeric_logs(logs)
-        current = metrics.get(self.monitor)
-        if current is None and not self._monitor_warned and self.monitor in self._ranked_metrics():
-            self._monitor_warned = True   # e.g. a typo, or fit() without validation data
-            log.warning("ckpt_callbacks: AsyncCheckpoint: monitor %r is not in the logs of epoch %d (they have: "
-                        "%s); steps saved without it never rank as best (expected on epochs without "
-                        "validation, e.g. with validation_freq > 1)", self.monitor, epoch + 1,
-                        ", ".join(sorted(metrics)) or "nothing")
+        current = metrics.get(self.monitor)   # (a ranked metric missing from them: the manager warns)
         if current is not None and self._mode is not None and not math.isnan(current):
             better = self.best is None or (current < self.best if self._mode == "min" else current > self.best)
             if better:

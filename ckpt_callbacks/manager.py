@@ -53,7 +53,7 @@ from . import format as fmt
 from .checks import check_flag, check_metrics, check_save_options, check_step
 from .errors import (CheckpointError, CheckpointNotFoundError, CheckpointSaveError, ConfigError,
                      CorruptCheckpointError, StorageUnavailableError)
-from .retention import StepInfo, as_int, as_policies, best_policy, decide
+from .retention import KeepBest, StepInfo, as_int, as_policies, best_policy, decide, has_number
 from .storage import open_store
 from .localwrite import Workers, WriteThrough
 from .writing import SaveStats, write_and_commit
@@ -131,6 +131,7 @@ class CheckpointManager:
         self.restored_step: int | None = None   # the step the last restore() read
         self._warned_below = False   # `_warn_below` said it once
         self._top_saved = -1   # the highest step this manager committed (`_warn_below`)
+        self._warned_unranked: set[str] = set()   # `_warn_unranked` said it for these metrics
         self._thread: threading.Thread | None = None
         self._pool = snapshot.HostPool()   # warm buffers for the copies of host-side leaves
         self._workers: Workers | None = None   # the writer's threads, started at the first save
@@ -226,6 +227,8 @@ class CheckpointManager:
                 log.warning("ckpt_callbacks: step %d is already committed in %s; not saving it again "
                             "(pass force=True to replace it)", step, self.store.url)
             return False
+        if self.coord.process_index == 0:
+            self._warn_unranked(step, metrics)
         budget = snapshot.ByteBudget(self.max_staging_bytes)
         items: queue.SimpleQueue = queue.SimpleQueue()
         save_time = self.clock()
@@ -309,6 +312,20 @@ class CheckpointManager:
                     "below it as soon as they commit, a step committed already is not saved again, and "
                     "restore() reads step %d. To continue that run, restore() first and save the steps "
                     "after it; for a new run, use a new directory.", step, steps[-1], self.store.url, steps[-1])
+
+    def _warn_unranked(self, step: int, metrics: dict) -> None:
+        """(Process 0, once per metric.) Metrics saved without the one a `KeepBest` ranks by: such a
+        step never ranks. Expected for saves without evaluation; a typo otherwise, which would
+        leave no step ranked and the best steps deleted as they fall out of the other policies."""
+        if not metrics:
+            return
+        for p in self.policies or []:
+            if isinstance(p, KeepBest) and p.metric not in self._warned_unranked and not has_number(metrics, p.metric):
+                self._warned_unranked.add(p.metric)
+                log.warning("ckpt_callbacks: retention ranks steps by %r (KeepBest), but the metrics saved with step "
+                            "%d do not have it (they have: %s): such steps never rank as best. Expected for saves "
+                            "without evaluation (e.g. Keras epochs without validation, validation_freq > 1); "
+                            "otherwise check the metric's name.", p.metric, step, ", ".join(sorted(metrics)))
 
     def _agree_to_save(self, step: int, metrics: dict, refused: Exception | None,
                        replace: bool = False, snap=None) -> tuple[str, bool, dict]:

@@ -881,18 +881,29 @@ def test_a_grain_iterator_resumes_exactly_through_batches_or_a_pydataset(tmp_pat
         np.testing.assert_array_equal(a, b)
 
 
-def test_a_monitor_missing_from_the_logs_is_warned_about_once(ckdir, caplog):
+@pytest.mark.parametrize("how", ["keep_best", "retention dict", "retention policy"])
+def test_a_ranked_metric_missing_from_the_logs_is_warned_about_once(ckdir, caplog, how):
     x, y, val = _data()
-    cb = AsyncCheckpoint(ckdir, monitor="val_acc", mode="max", keep_best=1)   # a typo: no "val_acc"
+    kw = {"keep_best": {"monitor": "val_acc", "mode": "max", "keep_best": 1},   # a typo: no "val_acc"
+          "retention dict": {"retention": {"keep_best": {"metric": "val_acc", "mode": "max"}}},
+          "retention policy": {"retention": cc.KeepBest("val_acc", "max")}}[how]
+    cb = AsyncCheckpoint(ckdir, **kw)
     with caplog.at_level("WARNING", "ckpt_callbacks"):
         _model().fit(x, y, batch_size=16, epochs=3, validation_data=val, verbose=0, callbacks=[cb])
-    warned = [r.getMessage() for r in caplog.records if "not in the logs" in r.getMessage()]
+    warned = [r.getMessage() for r in caplog.records if "do not have it" in r.getMessage()]
     assert len(warned) == 1 and "'val_acc'" in warned[0] and "val_mae" in warned[0], warned
     assert cb.manager.best_step() is None
     caplog.clear()
     with caplog.at_level("WARNING", "ckpt_callbacks"):   # without keep_best nothing ranks: no warning
         _model().fit(x, y, batch_size=16, epochs=1, verbose=0, callbacks=[AsyncCheckpoint(ckdir + "2")])
-    assert not [r for r in caplog.records if "not in the logs" in r.getMessage()]
+    assert not [r for r in caplog.records if "do not have it" in r.getMessage()]
+
+
+def test_a_keep_best_without_a_mode_for_an_unknown_metric_lists_the_known_ones(ckdir):
+    x, y, val = _data()
+    cb = AsyncCheckpoint(ckdir, retention={"keep_best": {"metric": "val_acuracy"}})
+    with pytest.raises(cc.ConfigError, match=r"'val_acuracy'.*compiled metrics \(.*mae.*spelling"):
+        _model().fit(x, y, batch_size=16, epochs=1, validation_data=val, verbose=0, callbacks=[cb])
 
 
 def test_resuming_a_finished_run_says_there_is_nothing_left_to_train(ckdir, caplog):

@@ -944,3 +944,16 @@ def test_a_keyboard_interrupt_inside_the_writers_start_leaves_a_manager_that_wor
     assert m.save(2, tree(2))
     m.close()
     assert_tree_equal(cc.CheckpointManager(ckdir, read_only=True).restore(2), tree(2))
+
+
+def test_saved_metrics_without_the_one_keep_best_ranks_by_are_warned_about_once(ckdir, caplog):
+    """A typo in the metric name: no step ever ranks, and the best steps are deleted as they fall
+    out of KeepLast. Said once, naming what the metrics have; saves without metrics say nothing."""
+    with caplog.at_level(logging.WARNING, "ckpt_callbacks"):
+        with cc.CheckpointManager(ckdir, retention=[cc.KeepLast(1), cc.KeepBest("val_acc", "max")]) as m:
+            m.save(1, tree(1))
+            for s in (2, 3):
+                m.save(s, tree(s), metrics={"val_acuracy": 0.5 + s / 10, "loss": 1.0})
+    said = [r.getMessage() for r in caplog.records if "do not have it" in r.getMessage()]
+    assert len(said) == 1 and "ranks steps by 'val_acc'" in said[0] and "step 2" in said[0], said
+    assert "they have: loss, val_acuracy" in said[0]
