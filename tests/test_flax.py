@@ -571,3 +571,46 @@ def test_a_with_block_that_raises_keeps_its_exception_when_the_last_save_failed(
             assert hook(1, {"w": np.ones(3)})
             raise RuntimeError("diverged")
     assert any("No space left" in n for n in e.value.__notes__)
+
+
+def _fail_writes(monkeypatch):
+    """Make every save's background write fail (as a full disk does); returns the undo."""
+    import ckpt_callbacks.manager as mm
+    real = mm.write_and_commit
+
+    def full(*a, **k):
+        raise OSError(28, "No space left on device (simulated)")
+    monkeypatch.setattr(mm, "write_and_commit", full)
+    return lambda: monkeypatch.setattr(mm, "write_and_commit", real)
+
+
+def test_save_of_a_step_whose_save_failed_saves_it_again(ckdir, monkeypatch):
+    """The docs' final ``hook.save(step, state)`` after the schedule's save of that step failed
+    (and the failure was raised): it saves the step (it returned False for good)."""
+    hook = CheckpointHook(ckdir, every_steps=5, preemption_signals=())
+    hook(5, _tree(5))
+    hook.wait_until_finished()
+    undo = _fail_writes(monkeypatch)
+    assert hook(10, _tree(10)) is True
+    with pytest.raises(OSError, match="No space left"):
+        hook.wait_until_finished()
+    undo()
+    assert hook.save(10, _tree(10)) is True
+    hook.save(10, _tree(10))          # in flight or committed: no second save, no error
+    hook.close()
+    assert cc.CheckpointManager(ckdir, read_only=True).all_steps() == [5, 10]
+
+
+def test_a_failed_preemption_save_leaves_the_request_standing(ckdir, monkeypatch):
+    """SIGTERM, and the preemption save fails: the failure is raised, and the next call saves for
+    the preemption again (the request had been cleared before the save's outcome was known)."""
+    hook = CheckpointHook(ckdir, every_steps=100, preemption_signals=(signal.SIGTERM,))
+    undo = _fail_writes(monkeypatch)
+    os.kill(os.getpid(), signal.SIGTERM)
+    with pytest.raises(OSError, match="No space left"):
+        hook(6, _tree(6))
+    assert not hook.should_stop
+    undo()
+    assert hook(7, _tree(7)) is True and hook.should_stop
+    hook.close()
+    assert cc.CheckpointManager(ckdir, read_only=True).all_steps() == [7]
