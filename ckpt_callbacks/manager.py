@@ -408,6 +408,7 @@ class CheckpointManager:
         t0 = time.perf_counter()
         deleted, err = [], None
         if self.coord.process_index == 0:
+            doing = "reading the steps' metrics"
             try:
                 # the chunk files of steps deleted after the previous save were there for this
                 # save to overwrite (localstore.LocalStore.claim); what it did not take goes now
@@ -415,18 +416,23 @@ class CheckpointManager:
                 infos = self._step_infos()
                 keep = decide(self.policies, infos)
                 for s in sorted(i.step for i in infos if i.step not in keep):
+                    doing = f"deleting step {s}"
                     self.store.delete(s, reuse=True)
                     deleted.append(s)
             except StorageUnavailableError as e:   # nothing is lost by waiting: tried again after the next save
                 log.warning("ckpt_callbacks: retention after step %d skipped (storage unavailable): %s", stats.step, e)
-            except Exception as e:  # noqa: BLE001 - told to the others, then re-raised
-                err = e
+            except Exception as e:  # noqa: BLE001 - told to the others, then raised
+                err = CheckpointError(
+                    f"step {stats.step} was committed, but retention failed {doing} in {self.store.url}: "
+                    f"{type(e).__name__}: {self.store.redact(str(e))}. Nothing committed was lost: the steps "
+                    f"not deleted stay listed, and retention runs again after the next save.")
+                err.__cause__ = e
         if self.coord.process_count > 1:
-            msg = msgpack.packb([deleted, None if err is None else f"{type(err).__name__}: {err}"])
+            msg = msgpack.packb([deleted, None if err is None else str(err)])
             deleted, remote = msgpack.unpackb(self.coord.broadcast(
                 f"retain/{token}", msg if self.coord.process_index == 0 else None, self.timeout_s))
             if remote is not None and err is None:
-                err = CheckpointError(f"step {stats.step} was committed, but retention on process 0 failed: {remote}")
+                err = CheckpointError(f"(on process 0) {remote}")
         for s in deleted:
             self._infos.pop(s, None)
             self._info_tokens.pop(s, None)

@@ -957,3 +957,26 @@ def test_saved_metrics_without_the_one_keep_best_ranks_by_are_warned_about_once(
     said = [r.getMessage() for r in caplog.records if "do not have it" in r.getMessage()]
     assert len(said) == 1 and "ranks steps by 'val_acc'" in said[0] and "step 2" in said[0], said
     assert "they have: loss, val_acuracy" in said[0]
+
+
+def test_a_retention_failure_is_a_checkpoint_error_saying_the_step_was_committed(ckdir, monkeypatch):
+    """A step retention cannot delete (e.g. made immutable): the save's own step is committed; the
+    failure is a CheckpointError naming the step it tried to delete (it was a raw PermissionError)."""
+    m = cc.CheckpointManager(ckdir, retention=cc.KeepLast(1))
+    m.save(1, tree(1))
+    m.wait_until_finished()
+    real = type(m.store).delete
+
+    def refuse(self, step, **kw):
+        raise PermissionError(1, "Operation not permitted", os.path.join(ckdir, fmt.step_name(step)))
+    monkeypatch.setattr(type(m.store), "delete", refuse)
+    m.save(2, tree(2))
+    with pytest.raises(cc.CheckpointError, match=r"step 2 was committed, but retention failed deleting step 1 .*"
+                                                 r"PermissionError.*Nothing committed was lost") as e:
+        m.wait_until_finished()
+    assert isinstance(e.value.__cause__, PermissionError)
+    assert m.all_steps() == [1, 2]
+    monkeypatch.setattr(type(m.store), "delete", real)
+    m.save(3, tree(3))
+    m.close()
+    assert cc.CheckpointManager(ckdir, read_only=True).all_steps() == [3]
