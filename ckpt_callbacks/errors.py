@@ -131,3 +131,17 @@ def read_failure(e: BaseException, where: str, what: str, detail: str, damaged: 
                                        f"refused access ({detail}). The step is not known to be damaged: check "
                                        f"the endpoint, credentials, permissions and network, then retry.")
     return CorruptCheckpointError(damaged, where)
+
+
+_FULL = ("No space left on device", "Disk quota exceeded", "[Errno 28]", "[Errno 122]")
+
+
+def space_hint(text: str, where: str) -> str:
+    """What to do, where `text` (an error's message) says the file system is full or read-only;
+    "" otherwise. The errno's words are all a failure gathered from another process carries."""
+    if any(s in text for s in _FULL):
+        return (f". The file system holding {where} is full (or over quota): free space there, then save again; "
+                f"steps committed before are intact")
+    if "Read-only file system" in text or "[Errno 30]" in text:
+        return f". The file system holding {where} is read-only: remount it writable or choose another directory"
+    return ""

@@ -24,7 +24,7 @@ import os
 import socket
 import time
 
-from .errors import CheckpointLockedError
+from .errors import CheckpointError, CheckpointLockedError, space_hint
 
 __all__ = ["acquire", "release", "LOCK_NAME"]
 
@@ -63,7 +63,12 @@ def _create(path: str, me: dict) -> bool:
     (a process killed while taking it leaves no empty lock); where the file system has no hard
     links, created in place (``O_EXCL``) and written."""
     tmp = f"{path}.new-{me['host']}-{me['pid']}-{os.urandom(4).hex()}"
-    _write_owner(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644), me)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        _write_owner(fd, me)
+    except BaseException:   # e.g. a full file system: no owner file of ours left behind
+        os.unlink(tmp)
+        raise
     try:
         os.link(tmp, path)
         return True
@@ -91,7 +96,11 @@ def acquire(root: str) -> None:
     me = {"host": socket.gethostname(), "pid": os.getpid(), "time": time.time()}
     _sweep(root, me["host"])
     for _ in range(_ATTEMPTS):
-        if _create(path, me):
+        try:
+            created = _create(path, me)
+        except OSError as e:
+            raise CheckpointError(f"cannot create the lock file {path}: {e}{space_hint(str(e), root)}") from None
+        if created:
             _HELD.add(os.path.realpath(root))
             return
         try:

@@ -40,7 +40,7 @@ import tensorstore as ts
 from . import format as fmt
 from . import chunkwrite, layout, localwrite
 from .coordination import CoordinationTimeoutError, Coordinator, SingleProcess
-from .errors import CheckpointSaveError
+from .errors import CheckpointSaveError, space_hint
 from .snapshot import BLOB_MAX_BYTES, ByteBudget, Snapshot
 from .storage import Store, submit
 
@@ -167,7 +167,7 @@ def write_and_commit(store: Store, step: int, snap: Snapshot, items, *, coord: C
     except Exception as e:
         if pi == 0:  # only process 0 commits or removes the (shared) staging data; leftovers go at start-up
             _abort(store, staging)
-        raise _save_error(e)(f"save of step {step} failed and was not committed: {e}",
+        raise _save_error(e)(f"save of step {step} failed and was not committed: {e}{space_hint(str(e), store.url)}",
                              getattr(e, "failures", None) or {pi: str(e)}) from (error or e)
     failures = {p: s["err"] for p, s in enumerate(statuses) if not s["ok"]}
     outcome = b""
@@ -191,7 +191,8 @@ def write_and_commit(store: Store, step: int, snap: Snapshot, items, *, coord: C
                              getattr(e, "failures", None) or {pi: str(e)}) from e
     if failures:
         lines = "; ".join(f"process {p}: {m}" for p, m in sorted(failures.items()))
-        raise CheckpointSaveError(f"save of step {step} failed and was not committed ({lines})", failures) from error
+        raise CheckpointSaveError(f"save of step {step} failed and was not committed ({lines})"
+                                  f"{space_hint(lines, store.url)}", failures) from error
     now = time.perf_counter()
     return SaveStats(step=step, started=snap.wall_started, blocking_s=snap.blocking_s,
                      write_s=t_written - snap.started - snap.blocking_s, commit_s=now - t_written,

@@ -38,8 +38,9 @@ def test_disk_full_fails_cleanly_and_recovers(small_fs):
         with open(filler, "wb") as f:
             f.write(b"\0" * (3 << 20))
         m.save(2, {"w": np.ones((1024, 1024), np.float32)})        # 4 MiB: does not fit
-        with pytest.raises(cc.CheckpointSaveError, match="[Nn]o space|ENOSPC|RESOURCE_EXHAUSTED|space"):
+        with pytest.raises(cc.CheckpointSaveError, match="[Nn]o space|ENOSPC|RESOURCE_EXHAUSTED|space") as e:
             m.wait_until_finished()
+        assert f"file system holding {d} is full (or over quota): free space there" in str(e.value)
         assert m.all_steps() == [1]
         assert not [n for n in os.listdir(d) if ".tmp-" in n]       # staging removed
         np.testing.assert_array_equal(m.restore(1)["w"], keep["w"])
@@ -47,6 +48,24 @@ def test_disk_full_fails_cleanly_and_recovers(small_fs):
         m.save(3, {"w": np.ones((1024, 1024), np.float32)})
         m.wait_until_finished()
         assert m.all_steps() == [1, 3]
+
+
+def test_a_manager_opened_on_a_full_disk_says_so_and_leaves_nothing(small_fs):
+    d = os.path.join(small_fs, "ck")
+    os.makedirs(d)
+    try:
+        with open(os.path.join(small_fs, "filler"), "wb") as f:
+            while True:
+                f.write(b"\0" * 4096)
+                f.flush()
+    except OSError:
+        pass
+    with pytest.raises(cc.CheckpointError, match=f"cannot create the lock file {d}/.*No space left.*{d} is full"):
+        cc.CheckpointManager(d)
+    assert os.listdir(d) == []          # no owner file of the lock left behind
+    os.remove(os.path.join(small_fs, "filler"))
+    with cc.CheckpointManager(d) as m:
+        m.save(1, {"a": 1})
 
 
 def test_read_only_directory_fails_at_start(small_fs):
