@@ -8,7 +8,8 @@ Example::
     acquire("/tmp/run")     # CheckpointLockedError if another live process writes there
     release("/tmp/run")
 
-Who calls what: `CheckpointManager` on process 0, at start (acquire) and in `close` (release).
+Who calls what: `CheckpointManager` on process 0, at start (acquire), at each save (check) and in
+`close` (release).
 A lock whose owner is on this host and no longer alive is stale and is taken over, and so is a
 lock file without a readable owner last written over 2 s ago (an older version's writer killed
 while creating it). Locks on other hosts cannot be checked for liveness; remove the file by hand
@@ -26,7 +27,7 @@ import time
 
 from .errors import CheckpointError, CheckpointLockedError, space_hint
 
-__all__ = ["acquire", "release", "LOCK_NAME"]
+__all__ = ["acquire", "check", "release", "LOCK_NAME"]
 
 LOCK_NAME = ".ckpt_callbacks.lock"
 _UNREADABLE_S = 2.0   # a lock file without a readable owner, last written this long ago, is stale
@@ -170,6 +171,25 @@ def _sweep(root: str, host: str) -> None:
                 os.unlink(os.path.join(root, name))
             except OSError:
                 pass
+
+
+def check(root: str) -> None:
+    """Raise `CheckpointLockedError` unless this process still holds the lock of `root` (the
+    manager's save asks, process 0): a directory removed or replaced while its manager was open
+    has lost the lock, and another writer may hold it since."""
+    path = os.path.join(root, LOCK_NAME)
+    try:
+        with open(path) as f:
+            owner = json.load(f)
+    except (OSError, ValueError):
+        owner = None
+    if isinstance(owner, dict) and owner.get("pid") == os.getpid() and owner.get("host") == socket.gethostname():
+        return
+    now = "no lock file" if owner is None else f"the lock of host {owner.get('host')}, pid {owner.get('pid')}"
+    raise CheckpointLockedError(
+        f"{root} no longer holds this process's lock ({now}): the directory was removed or replaced while "
+        f"its CheckpointManager was open, and another writer may use it now; nothing was saved. Fix: close "
+        f"this manager and open a new one on the directory (it refuses while another process writes there).")
 
 
 def release(root: str) -> None:

@@ -206,6 +206,8 @@ class CheckpointManager:
             return False
         refused = None   # this process's checks of the call: told to the others, who refuse it too
         try:
+            if self._locked:
+                lock.check(self.store.root)
             metrics = check_metrics(metrics)
             try:
                 host_bytes = None if host_state is None else fmt.pack_host_state(host_state)

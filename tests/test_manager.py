@@ -980,3 +980,26 @@ def test_a_retention_failure_is_a_checkpoint_error_saying_the_step_was_committed
     m.save(3, tree(3))
     m.close()
     assert cc.CheckpointManager(ckdir, read_only=True).all_steps() == [3]
+
+
+@pytest.mark.parametrize("how", ["removed", "replaced"])
+def test_a_directory_removed_while_its_manager_is_open_is_not_written_again(ckdir, how):
+    """`rm -rf DIR` under an open manager took its lock away: its next save recreated DIR and
+    committed without one, while a second writer could open the directory and save beside it."""
+    import shutil
+    m = cc.CheckpointManager(ckdir)
+    m.save(1, tree(1))
+    m.wait_until_finished()
+    shutil.rmtree(ckdir)
+    if how == "replaced":   # another run took the directory since
+        other = subprocess.run([sys.executable, "-c", "import sys, ckpt_callbacks as cc\n"
+                                "with cc.CheckpointManager(sys.argv[1]) as m: m.save(100, {'a': 1})", ckdir],
+                               capture_output=True, text=True, timeout=120)
+        assert other.returncode == 0, other.stderr
+    with pytest.raises(cc.CheckpointLockedError, match="no longer holds this process's lock") as e:
+        m.save(2, tree(2))
+    assert "nothing was saved" in str(e.value)
+    m.close()
+    assert cc.CheckpointManager(ckdir, read_only=True).all_steps() == ([] if how == "removed" else [100])
+    with cc.CheckpointManager(ckdir) as m:   # a new manager takes it
+        m.save(2, tree(2))
