@@ -67,6 +67,15 @@ def _hidden_name(step: int, kind: str) -> str:
     return f"{fmt.step_name(step)}.{kind}-{os.urandom(6).hex()}"
 
 
+def _remove_tree(path: str) -> None:
+    """Remove the directory `path`, or a file or symlink in its place (a step name a user put a
+    file at), as far as possible: what cannot be removed stays (start-up tries again)."""
+    if os.path.islink(path) or os.path.isfile(path):
+        _unlink_quiet(path)
+    else:
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def _unlink_quiet(path: str) -> None:
     try:
         os.unlink(path)
@@ -242,6 +251,8 @@ class LocalStore(Store):
             names = os.listdir(self.root)
         except FileNotFoundError:
             return []
+        except NotADirectoryError:
+            raise CheckpointError(f"{self.root} is a file, not a checkpoint directory") from None
         return sorted(s for s in map(fmt.parse_step_name, names) if s is not None)
 
     def staging(self, step: int, token: str) -> str:
@@ -371,7 +382,7 @@ class LocalStore(Store):
                 raise CheckpointError(f"{final} already exists")
             if _exchange(self.path(staging), final):   # one atomic step: readers never miss the step
                 self._fsync(self.root, directory=True)
-                shutil.rmtree(self.path(staging), ignore_errors=True)   # the old copy (a leftover if we die)
+                _remove_tree(self.path(staging))   # the old copy (a leftover if we die)
                 return
             # `.old-`, not `.del-`: if we die before the next rename, `recover` puts it back
             old = _hidden_name(step, "old")
@@ -379,7 +390,7 @@ class LocalStore(Store):
         os.rename(self.path(staging), final)
         self._fsync(self.root, directory=True)
         if old:
-            shutil.rmtree(self.path(old), ignore_errors=True)
+            _remove_tree(self.path(old))
 
     def recover(self) -> list[int]:
         """At start-up, before leftovers are removed: put back a step whose forced replacement
@@ -405,7 +416,7 @@ class LocalStore(Store):
         if old:
             self._fsync(self.root, directory=True)   # durable before `step_N` goes
         for new in gone:
-            shutil.rmtree(self.path(new), ignore_errors=True)
+            _remove_tree(self.path(new))
         hidden = _hidden_name(step, "del")
         try:
             os.rename(self.path(fmt.step_name(step)), self.path(hidden))
@@ -413,7 +424,7 @@ class LocalStore(Store):
             return
         self._fsync(self.root, directory=True)
         if not reuse:
-            shutil.rmtree(self.path(hidden), ignore_errors=True)
+            _remove_tree(self.path(hidden))
             return
         # Kept for the next save to overwrite in place: the page cache pages (and on disk, the
         # blocks) are neither freed now nor allocated again then. Only plain chunk and blob files.
@@ -487,7 +498,7 @@ class LocalStore(Store):
         # unlinks first, several at once: with `discard` each one waits for the device
         _each(_unlink_quiet, files, pool)
         for hidden in kept:
-            shutil.rmtree(self.path(hidden), ignore_errors=True)
+            _remove_tree(self.path(hidden))
 
     def leftovers(self) -> list[str]:
         try:
@@ -498,7 +509,7 @@ class LocalStore(Store):
     def remove(self, name: str) -> None:
         if not fmt.STAGING_RE.match(name):
             raise ValueError(f"refusing to remove {name!r}: not a name ckpt_callbacks creates")
-        shutil.rmtree(self.path(name), ignore_errors=True)
+        _remove_tree(self.path(name))
 
     def size(self, step: int) -> int | None:
         total = 0

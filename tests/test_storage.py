@@ -9,6 +9,7 @@ cleanup spares, a server outage mid-save, and that endpoints/credentials never l
 import concurrent.futures
 import logging
 import os
+import shutil
 import queue
 import subprocess
 import sys
@@ -670,3 +671,23 @@ def test_a_test_server_started_on_a_port_another_server_holds_moves_to_another(t
         gs.stop()
         s3.stop()
     assert len({objstore_mod.free_port() for _ in range(200)}) == 200   # never the same port twice
+
+
+def test_a_file_where_a_directory_belongs_is_said_or_removed(tmp_path):
+    """A read-only manager on a file: a CheckpointError (was a raw NotADirectoryError). A step a
+    user replaced by a file, replaced again with force=True: the file goes (it stayed as a
+    `.tmp-` leftover that start-up's rmtree could not remove)."""
+    f = tmp_path / "a file"
+    f.write_bytes(b"x")
+    with pytest.raises(cc.CheckpointError, match="is a file, not a checkpoint directory"):
+        cc.CheckpointManager(str(f), read_only=True).all_steps()
+    d = str(tmp_path / "ck")
+    with cc.CheckpointManager(d) as m:
+        m.save(1, {"a": np.ones(3)})
+    step = os.path.join(d, "step_0000000001")
+    shutil.rmtree(step)
+    open(step, "wb").close()
+    with cc.CheckpointManager(d) as m:
+        assert m.save(1, {"a": np.zeros(3)}, force=True)
+    assert os.listdir(d) == ["step_0000000001"]
+    np.testing.assert_array_equal(cc.CheckpointManager(d, read_only=True).restore(1)["a"], np.zeros(3))
