@@ -27,7 +27,9 @@ with a save in flight when the interpreter exits normally is closed then (before
 the thread pools its writer uses), so that save commits, with a warning that `close` was not
 called. Multi-host details: docs/multihost.md. Which step a restore reads, on every process, and
 which host state it resumes from: `ckpt_callbacks.resume`; at exit, in a forked child and at the
-end of a ``with`` block: `ckpt_callbacks.shutdown`; argument checks: `ckpt_callbacks.checks`.
+end of a ``with`` block: `ckpt_callbacks.shutdown`; argument checks: `ckpt_callbacks.checks`;
+what the processes agree on before a save: `ckpt_callbacks.agreement`; retention after a commit:
+`ckpt_callbacks.retain`.
 
 Saving a step that is already committed never overwrites it: the save is skipped with a warning
 (the resumed-run case) and returns False; ``force=True`` replaces it: readers see the old step or
@@ -37,7 +39,6 @@ next start; object stores: see docs/storage.md).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import numbers
@@ -48,12 +49,11 @@ import time
 
 import msgpack
 
-from . import coordination, lock, restore as restore_mod, resume, shutdown, snapshot
+from . import agreement, coordination, lock, retain, resume, shutdown, snapshot
 from . import format as fmt
 from .checks import check_flag, check_metrics, check_save_options, check_step
-from .errors import (CheckpointError, CheckpointNotFoundError, CheckpointSaveError, ConfigError,
-                     CorruptCheckpointError, StorageUnavailableError)
-from .retention import KeepBest, StepInfo, as_int, as_policies, best_policy, decide, has_number
+from .errors import CheckpointError, CheckpointNotFoundError, ConfigError, CorruptCheckpointError
+from .retention import StepInfo, as_int, as_policies, best_policy
 from .storage import open_store
 from .localwrite import Workers, WriteThrough
 from .writing import SaveStats, write_and_commit
@@ -126,12 +126,12 @@ class CheckpointManager:
         self._nsaves = self._nrestores = 0
         self.history: list[SaveStats] = []
         self._infos: dict[int, StepInfo] = {}
-        self._info_tokens: dict = {}   # step -> its `_local_token` when its info was read (see `_step_infos`)
+        self._info_tokens: dict = {}   # step -> its `retain.local_token` when its info was read
         self._damaged: dict[int, str] = {}   # committed steps whose manifest could not be read: why
         self.restored_step: int | None = None   # the step the last restore() read
-        self._warned_below = False   # `_warn_below` said it once
-        self._top_saved = -1   # the highest step this manager committed (`_warn_below`)
-        self._warned_unranked: set[str] = set()   # `_warn_unranked` said it for these metrics
+        self._warned_below = False   # `agreement.warn_below` said it once
+        self._top_saved = -1   # the highest step this manager committed (`agreement.warn_below`)
+        self._warned_unranked: set[str] = set()   # `agreement.warn_unranked` said it for these metrics
         self._thread: threading.Thread | None = None
         self._pool = snapshot.HostPool()   # warm buffers for the copies of host-side leaves
         self._workers: Workers | None = None   # the writer's threads, started at the first save
@@ -222,7 +222,7 @@ class CheckpointManager:
         self._wait()
         self._caller = threading.current_thread()
         self._pool.recycle()   # the previous save's writer is joined: its copies are free again
-        token, committed, metrics = self._agree_to_save(step, metrics, refused, replace,
+        token, committed, metrics = agreement.agree(self, step, metrics, refused, replace,
                                                         None if refused is not None else snap)
         if committed and not replace:
             if not quiet:
@@ -230,7 +230,7 @@ class CheckpointManager:
                             "(pass force=True to replace it)", step, self.store.url)
             return False
         if self.coord.process_index == 0:
-            self._warn_unranked(step, metrics)
+            agreement.warn_unranked(self, step, metrics)
         budget = snapshot.ByteBudget(self.max_staging_bytes)
         items: queue.SimpleQueue = queue.SimpleQueue()
         save_time = self.clock()
@@ -261,10 +261,10 @@ class CheckpointManager:
                                          timeout_s=self.timeout_s, extra=extra_info, workers=self._workers,
                                          reuse_tree=self.store.local and not through_ok)
                 self._infos[step] = StepInfo(step, save_time, metrics)
-                self._info_tokens[step] = self._local_token(step)
+                self._info_tokens[step] = retain.local_token(self, step)
                 self._damaged.pop(step, None)   # a forced save replaced a damaged step
                 self._top_saved = max(self._top_saved, step)
-                stats = self._retain(stats, token)
+                stats = retain.apply(self, stats, token)
                 self.history.append(stats)
                 log.info("ckpt_callbacks: committed step %d to %s: %.1f MB, blocking %.3fs, total %.3fs%s",
                          step, self.store.url, stats.bytes_total / 1e6, stats.blocking_s, stats.total_s,
@@ -298,181 +298,6 @@ class CheckpointManager:
         if not self.async_save:
             self._wait()
         return True
-
-    def _warn_below(self, step: int, steps: list) -> None:
-        """(Process 0, once per manager.) A save below the directory's latest committed step, e.g. a
-        new run started in an old run's directory without restoring: retention ranks steps by
-        number, so `KeepLast` deletes such a step right after it commits, and a later restore
-        reads the old run's latest; a step that run committed is not saved again (the Flax hook
-        skips it without a word). Said, not refused: the save goes on. Not said where this manager
-        committed the latest step itself (the run is this one; e.g. a final save of an earlier step)."""
-        if self._warned_below or not steps or step >= steps[-1] or self._top_saved >= steps[-1]:
-            return
-        self._warned_below = True
-        log.warning("ckpt_callbacks: saving step %d below the latest committed step %d in %s (an earlier "
-                    "run's?): retention ranks steps by number, so a KeepLast policy deletes the steps saved "
-                    "below it as soon as they commit, a step committed already is not saved again, and "
-                    "restore() reads step %d. To continue that run, restore() first and save the steps "
-                    "after it; for a new run, use a new directory.", step, steps[-1], self.store.url, steps[-1])
-
-    def _warn_unranked(self, step: int, metrics: dict) -> None:
-        """(Process 0, once per metric.) Metrics saved without the one a `KeepBest` ranks by: such a
-        step never ranks. Expected for saves without evaluation; a typo otherwise, which would
-        leave no step ranked and the best steps deleted as they fall out of the other policies."""
-        if not metrics:
-            return
-        for p in self.policies or []:
-            if isinstance(p, KeepBest) and p.metric not in self._warned_unranked and not has_number(metrics, p.metric):
-                self._warned_unranked.add(p.metric)
-                log.warning("ckpt_callbacks: retention ranks steps by %r (KeepBest), but the metrics saved with step "
-                            "%d do not have it (they have: %s): such steps never rank as best. Expected for saves "
-                            "without evaluation (e.g. Keras epochs without validation, validation_freq > 1); "
-                            "otherwise check the metric's name.", p.metric, step, ", ".join(sorted(metrics)))
-
-    def _agree_to_save(self, step: int, metrics: dict, refused: Exception | None,
-                       replace: bool = False, snap=None) -> tuple[str, bool, dict]:
-        """(the save's token, whether `step` is committed, the metrics to record), the same on every
-        process: with several processes, each listing for itself could answer differently (an
-        outage on one) and leave their save counters apart for good. So do a call that only one
-        process refuses (its own checks: metrics, host state, tree), saves of different steps
-        (e.g. threads whose saves reach the processes in different orders), and metrics given on
-        one process only: every process hears of all of it here, and refuses alike (nothing
-        started; the next save tries again). The metrics recorded are process 0's, or, where it
-        gave none, the first process's that did. A listing that fails fails the save everywhere
-        (CheckpointSaveError). Trees planned differently (`snapshot.structure`: another key, shape,
-        dtype or sharding on one process) are refused too, naming the first difference: each
-        process would write files the others' manifest names otherwise, and the step, committed,
-        would read as damaged."""
-        pi, multi = self.coord.process_index, self.coord.process_count > 1
-        why = None if refused is None else f"{type(refused).__name__}: {refused}"
-        digest, lines = snapshot.structure(snap) if multi and snap is not None else (None, None)
-        mine, error = [step, why, metrics if refused is None else {}, None, False, None, digest], None
-        if pi == 0:
-            try:
-                steps = self.all_steps()
-                mine[3:5] = [os.urandom(6).hex(), step in steps]
-                if not replace:
-                    self._warn_below(step, steps)
-            except Exception as e:  # noqa: BLE001 - told to the others, then raised everywhere
-                error = e
-                mine[5] = f"{type(e).__name__}: {self.store.redact(str(e))}"
-        got = [mine]
-        if multi:
-            self._nsaves += 1
-            got = [msgpack.unpackb(g) for g in self.coord.all_gather(
-                f"save/{self._nsaves}/agree", msgpack.packb(mine), self.timeout_s)]
-        steps = {i: g[0] for i, g in enumerate(got)}
-        if len(set(steps.values())) > 1:
-            raise CheckpointSaveError(
-                f"nothing was saved: the processes called save() with different steps ({steps}); every "
-                f"process must save the same steps in the same order (one thread saving per process)",
-                {i: f"step {s}" for i, s in steps.items()})
-        failures = {i: g[1] for i, g in enumerate(got) if g[1] is not None}
-        if refused is not None:
-            raise refused
-        if failures:
-            raise CheckpointSaveError(
-                f"step {step} was not saved: process(es) {sorted(failures)} refused the call "
-                f"({'; '.join(f'{i}: {w}' for i, w in failures.items())}); nothing was started", failures)
-        if len({g[6] for g in got}) > 1:
-            self._refuse_other_trees(step, got, lines)
-        token, committed, failed = got[0][3:6]
-        if failed is not None:
-            raise CheckpointSaveError(
-                f"step {step} was not saved: the committed steps of {self.store.url} cannot be listed "
-                f"({failed}); nothing was started, the next save tries again", {0: failed}) from error
-        return token, committed, got[0][2] or next((g[2] for g in got if g[2]), {})
-
-    def _refuse_other_trees(self, step: int, got: list, lines: list) -> None:
-        """CheckpointSaveError naming, for each process whose tree differs from process 0's, the first
-        leaf that differs (every process exchanges its leaf lines: only on this failure path)."""
-        every = [msgpack.unpackb(g) for g in self.coord.all_gather(
-            f"save/{self._nsaves}/trees", msgpack.packb(lines), self.timeout_s)]
-        first, failures = every[0], {}
-        for p, other in enumerate(every[1:], 1):
-            if got[p][6] == got[0][6]:
-                continue
-            i = next((i for i, (a, b) in enumerate(zip(first, other)) if a != b), min(len(first), len(other)))
-            has = other[i] if i < len(other) else f"no leaf #{i} ({len(other)} leaves)"
-            want = first[i] if i < len(first) else f"no leaf #{i} ({len(first)} leaves)"
-            failures[p] = f"leaf #{i}: {has}; process 0: {want}" if i < max(len(first), len(other)) else \
-                "the same leaves in another tree structure"
-        raise CheckpointSaveError(
-            f"step {step} was not saved: the processes passed different trees (every process must save the "
-            f"same tree: the same keys, shapes, dtypes and shardings; per-process data goes in host_state): "
-            + "; ".join(f"process {p} at {w}" for p, w in failures.items()) + "; nothing was started", failures)
-
-    def _retain(self, stats: SaveStats, token: str = "") -> SaveStats:
-        """Process 0 decides and deletes; then it tells the others (who wait), so that every
-        process sees the same committed steps once its save has finished."""
-        if self.policies is None:
-            return stats
-        t0 = time.perf_counter()
-        deleted, err = [], None
-        if self.coord.process_index == 0:
-            doing = "reading the steps' metrics"
-            try:
-                # the chunk files of steps deleted after the previous save were there for this
-                # save to overwrite (localstore.LocalStore.claim); what it did not take goes now
-                self.store.drop_reusable(self._workers and self._workers.fsync)
-                infos = self._step_infos()
-                keep = decide(self.policies, infos)
-                for s in sorted(i.step for i in infos if i.step not in keep):
-                    doing = f"deleting step {s}"
-                    self.store.delete(s, reuse=True)
-                    deleted.append(s)
-            except StorageUnavailableError as e:   # nothing is lost by waiting: tried again after the next save
-                log.warning("ckpt_callbacks: retention after step %d skipped (storage unavailable): %s", stats.step, e)
-            except Exception as e:  # noqa: BLE001 - told to the others, then raised
-                err = CheckpointError(
-                    f"step {stats.step} was committed, but retention failed {doing} in {self.store.url}: "
-                    f"{type(e).__name__}: {self.store.redact(str(e))}. Nothing committed was lost: the steps "
-                    f"not deleted stay listed, and retention runs again after the next save.")
-                err.__cause__ = e
-        if self.coord.process_count > 1:
-            msg = msgpack.packb([deleted, None if err is None else str(err)])
-            deleted, remote = msgpack.unpackb(self.coord.broadcast(
-                f"retain/{token}", msg if self.coord.process_index == 0 else None, self.timeout_s))
-            if remote is not None and err is None:
-                err = CheckpointError(f"(on process 0) {remote}")
-        for s in deleted:
-            self._infos.pop(s, None)
-            self._info_tokens.pop(s, None)
-        if err is not None:
-            raise err
-        return dataclasses.replace(stats, gc_s=time.perf_counter() - t0, deleted=tuple(deleted))
-
-    def _local_token(self, step: int):
-        """`Store.step_token` where it costs a `stat` (a local directory), else None."""
-        return self.store.step_token(step) if self.store.local else None
-
-    def _step_infos(self) -> list[StepInfo]:
-        """Each committed step's time and metrics, read once from its manifest; read again where a
-        local step was replaced since (a forced save through another manager or process)."""
-        steps = self.store.committed_steps()
-        for s in steps:
-            token = self._local_token(s)
-            if s in self._infos and self._info_tokens.get(s) != token:
-                del self._infos[s]
-            if s not in self._infos:
-                self._info_tokens[s] = token
-                try:
-                    m = restore_mod.read_manifest(self.store, s)
-                    self._infos[s] = StepInfo(s, float((m.get("extra") or {}).get("time", m.get("time", 0.0))),
-                                              m.get("metrics") or {})
-                except StorageUnavailableError:
-                    raise   # says nothing about the step: not remembered as metric-less
-                except CheckpointError as e:
-                    # damaged: listed, never ranked, never deleted by retention (its metrics are
-                    # unknown: it may be the best), as `ckpt-callbacks gc` does; read again next time
-                    if s not in self._damaged:
-                        log.warning("ckpt_callbacks: step %d in %s: cannot read its manifest (%s); kept "
-                                    "(run `ckpt-callbacks verify`)", s, self.store.url, e)
-                    self._damaged[s] = str(e)
-                    continue
-                self._damaged.pop(s, None)
-        infos = [self._infos.get(s) for s in steps]   # background retention may drop a step meanwhile
-        return [i for i in infos if i is not None]
 
     def _wait(self) -> None:
         t = self._thread
@@ -557,7 +382,7 @@ class CheckpointManager:
             return None
         if not self.store.local:   # no cheap token says whether the step changed: one read of its manifest
             self._infos.pop(step, None)
-        self._step_infos()
+        retain.step_infos(self)
         why = self._damaged.get(step)
         if why is not None:
             raise CorruptCheckpointError(f"step {step} in {self.store.url}: its manifest cannot be read "
@@ -576,7 +401,7 @@ class CheckpointManager:
         p = best_policy(self.policies)
         if p is None:
             return None
-        ranked = p.rank(self._step_infos())
+        ranked = p.rank(retain.step_infos(self))
         return ranked[0] if ranked else None
 
     def restore(self, step: int | None = None, target=None, *, fallback: bool = False):

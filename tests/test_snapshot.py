@@ -194,7 +194,7 @@ def test_leaves_the_format_cannot_hold_as_they_are_are_refused_at_save_naming_th
 
 
 def test_the_structure_digest_changes_with_the_files_a_plan_writes_and_only_with_them(devices):
-    """What processes compare before a save (`CheckpointManager._agree_to_save`): equal where every
+    """What processes compare before a save (`agreement.agree`): equal where every
     file would hold the same bytes' places, different where a key, shape, dtype or an array's
     sharding differs (processes then wrote into each other's arrays)."""
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
