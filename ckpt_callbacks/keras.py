@@ -37,6 +37,8 @@ Who calls what, in which order (Keras calls the hooks; on every process under mu
   * `on_train_end`: waits for the last save, applies retention, closes the manager; a background
     failure is raised here, never swallowed.
 
+Where a resumed fit starts (the restore, the data's position): `ckpt_callbacks.keras_resume`;
+which way metrics rank and the retention built from the arguments: `ckpt_callbacks.keras_policy`.
 A save takes ``model.get_state_tree()`` (`ckpt_callbacks.keras_state`; trainable, non-trainable incl. seed-generator state,
 optimizer incl. iteration, metrics; the optimizer's auto-numbered name is stored as "optimizer")
 after `model.jax_state_sync()` (mid-epoch the JAX trainer keeps
@@ -59,12 +61,12 @@ from collections.abc import Mapping
 
 import keras
 
-from . import keras_state
+from . import keras_policy, keras_resume, keras_state
 from .checks import check_flag, check_save_options
-from .errors import CheckpointError, ConfigError, IncompatibleCheckpointError
+from .errors import ConfigError
 from .keras_data import ResumableDataset
 from .manager import CheckpointManager
-from .retention import KeepBest, KeepBestBeyond, KeepLast, as_policies
+from .retention import KeepBest, KeepLast, as_policies
 
 __all__ = ["AsyncCheckpoint", "ResumableDataset"]
 
@@ -93,37 +95,6 @@ def _dir_key(directory) -> str:
 
 
 _RAN_OUT = "Your input ran out of data"
-
-
-def _state_of(data):
-    """`data.get_state()`, or None where it fails (then nothing is compared)."""
-    try:
-        return data.get_state()
-    except Exception:  # noqa: BLE001 - only used to compare
-        return None
-
-
-def _same(a, b) -> bool | None:
-    """Whether two iterator states are equal; None where they cannot be compared."""
-    if a is None or b is None:
-        return None
-    try:
-        return bool(a == b)
-    except Exception:  # noqa: BLE001 - e.g. states holding numpy arrays
-        return None
-
-
-def _newest_intact(manager: CheckpointManager, latest: int) -> int:
-    """The newest committed step up to `latest` whose every byte reads intact (as `restore(fallback=True)`
-    picks it), warning about each damaged one; `latest` when all are damaged (its restore then fails)."""
-    from .verify import problem_text, verify_step
-    for s in reversed([s for s in manager.all_steps() if s <= latest]):
-        problems = verify_step(manager.store, s)
-        if not problems:
-            return s
-        log.warning("ckpt_callbacks: step %d in %s is damaged (%s); positioning the data at an older step",
-                    s, manager.store.url, problem_text(*problems[0]))
-    return latest
 
 
 class AsyncCheckpoint(keras.callbacks.Callback):
@@ -276,7 +247,7 @@ class AsyncCheckpoint(keras.callbacks.Callback):
         if not self._state_iterator():
             raise ConfigError("AsyncCheckpoint.batches() needs data= an iterator with get_state()/set_state()")
         self._close(raise_errors=False)   # a fit() that raised may have left a save in flight
-        self._data_at = self._position_data() if self.resume else None
+        self._data_at = keras_resume.position_data(self) if self.resume else None
         while True:
             try:
                 item = next(self.data)
@@ -284,77 +255,6 @@ class AsyncCheckpoint(keras.callbacks.Callback):
                 return
             self._yields += 1
             yield item
-
-    def _position_data(self) -> int | None:
-        """Put `data` at the latest committed step's position; that step, or None where there is
-        none or it holds no state for this process (as `on_train_begin` treats it). Any other
-        failure (e.g. unreachable storage) is raised: into `fit`, from its input. With `fallback`,
-        the newest step that reads intact (verified first: a resume then reads that step twice)."""
-        with CheckpointManager(self.directory, read_only=True) as manager:
-            step = manager.latest_step()
-            if step is None:
-                return None
-            if self.fallback:   # the step on_train_begin will restore: the newest that reads intact
-                step = _newest_intact(manager, step)
-            try:
-                state = (manager.host_state(step) or {}).get("data")
-            except IncompatibleCheckpointError:   # another process count: on_train_begin warns
-                return None
-        if state is None:
-            return None
-        self.data.set_state(state)
-        return step
-
-    def _resolved_mode(self, monitor: str | None = None) -> str | None:
-        """"min" or "max" for `monitor` (the callback's own by default) under this callback's mode;
-        None where mode="auto" cannot tell."""
-        if self.mode != "auto" and monitor in (None, self.monitor):
-            return self.mode
-        name = (monitor or self.monitor).removeprefix("val_")
-        if name == "loss" or name.endswith("_loss"):
-            return "min"
-        # a model with several outputs logs "<output>_<metric>" ("a_accuracy")
-        names = {name} | {name[len(o) + 1:] for o in getattr(self.model, "output_names", None) or ()
-                          if isinstance(o, str) and name.startswith(f"{o}_")}
-        directions = {m._direction for m in self._compiled_metrics()
-                      if getattr(m, "name", None) in names and hasattr(m, "_direction")}
-        if len(directions) == 1:
-            return "max" if directions.pop() == "up" else "min"
-        return None
-
-    def _compiled_metrics(self) -> list:
-        """The model's metric objects, those inside its compiled-metrics containers included."""
-        return [m for container in getattr(self.model, "metrics", [])
-                for m in getattr(container, "metrics", [container])]
-
-    def _known_metrics(self) -> str:
-        known = sorted({n for m in self._compiled_metrics() if isinstance(n := getattr(m, "name", None), str)})
-        return (f"mode='auto' knows losses and the model's compiled metrics ({', '.join(known) or 'none yet'}; "
-                f"'val_' + a name for validation)")
-
-    def _policies(self, mode: str | None):
-        policies = list(self._base_policies or [])
-        if self._auto_best is not None:
-            metric = self._auto_best["keep_best"]["metric"]
-            best_mode = self._resolved_mode(metric)
-            if best_mode is None:
-                raise ConfigError(f"retention.keep_best: cannot tell whether {metric!r} should be minimized or "
-                                  f"maximized: {self._known_metrics()}. Fix: check the name's spelling, or give "
-                                  f"it a mode ('min' or 'max').")
-            config = {**self._auto_best, "keep_best": {**self._auto_best["keep_best"], "mode": best_mode}}
-            policies = as_policies(config) or []
-        if self.keep_last is not None:
-            policies.append(KeepLast(self.keep_last))
-        if self.keep_best is not None:
-            if mode is None:
-                raise ConfigError(f"keep_best: cannot tell whether monitor={self.monitor!r} should be minimized "
-                                  f"or maximized: {self._known_metrics()}. Fix: check the name's spelling, or "
-                                  f"pass mode='min' or mode='max'.")
-            if self.initial_value_threshold is None:
-                policies.insert(0, KeepBest(self.monitor, mode, self.keep_best))
-            else:
-                policies.insert(0, KeepBestBeyond(self.monitor, mode, self.keep_best, self.initial_value_threshold))
-        return policies if (policies or self._base_policies is not None) else None
 
     def on_train_begin(self, logs=None):
         try:
@@ -366,10 +266,10 @@ class AsyncCheckpoint(keras.callbacks.Callback):
         self._close(raise_errors=False)      # left open by a fit() that raised
         self._close_abandoned()
         self._refuse_another_in_this_fit()
-        self._check_epochs_are_passes()
+        keras_resume.check_epochs_are_passes(self)
         keras_state.state_tree(self.model)   # a model whose state cannot be saved fails now, not after an epoch
-        self._mode = self._resolved_mode()
-        self.manager = CheckpointManager(self.directory, retention=self._policies(self._mode),
+        self._mode = keras_policy.resolved_mode(self)
+        self.manager = CheckpointManager(self.directory, retention=keras_policy.policies(self, self._mode),
                                          async_save=self.async_save, max_staging_bytes=self.max_staging_bytes)
         self._open = True
         self._fit_thread = threading.current_thread()
@@ -443,128 +343,7 @@ class AsyncCheckpoint(keras.callbacks.Callback):
         if not self.resume:
             raise ConfigError(f"{self.manager.store.url} already holds checkpoints (latest step {step}) and "
                               f"resume=False. Fix: use a new directory, or resume=True to continue that run.")
-        self._restore(step)
-
-    def _epoch_steps(self) -> int | None:
-        """Batches in an epoch of this fit: a ResumableDataset's pass, else Keras' steps (None when
-        unknown: an iterator without a length). Saved with each step: a mid-epoch resume into
-        epochs of another length (another batch size) continues at a batch that means other data."""
-        if isinstance(self.data, ResumableDataset):
-            return int(self.data.dataset.num_batches)
-        steps = (self.params or {}).get("steps")
-        return int(steps) if steps else None
-
-    def _check_epochs_are_passes(self) -> None:
-        """A ResumableDataset's epoch must be one pass over it: with another `steps_per_epoch`,
-        Keras carries its iterator over epoch ends (or stops short), so epochs and passes drift
-        apart and an epoch's batch order would change in the middle of a pass."""
-        if not isinstance(self.data, ResumableDataset):
-            return
-        steps = (self.params or {}).get("steps")
-        n = int(self.data.dataset.num_batches)
-        if steps is None or int(steps) == n:
-            return
-        if self.data.skip and int(steps) == self.data.num_batches:
-            # Keras read the length before any callback ran, while the wrapper still stood inside
-            # the resumed epoch of an earlier fit() that raised: every epoch would be that short
-            self.data.set_position(self.data.epoch, 0)
-            raise ConfigError(
-                f"AsyncCheckpoint: the ResumableDataset was still positioned inside an epoch (after batch "
-                f"{n - int(steps)}) of an earlier fit() that raised when this fit() read its length, so every "
-                f"epoch would run {steps} of its {n} batches; nothing was trained. Its position is reset now: "
-                f"call fit() again.")
-        raise ConfigError(
-            f"AsyncCheckpoint: fit() runs {steps} steps per epoch, but the ResumableDataset holds {n} "
-            f"batches: its epochs must be whole passes for a resume to continue at the right batch. "
-            f"Fix: drop steps_per_epoch (or set it to {n}), or make the dataset's length the epoch.")
-
-    def _restore(self, step: int) -> None:
-        model = self.model
-        if not hasattr(model, "_initial_epoch"):
-            raise CheckpointError(f"this Keras ({keras.__version__}) has no model._initial_epoch, which "
-                                  "AsyncCheckpoint sets to resume at the next epoch; use Keras >= 3.0")
-        data_at, self._data_at = self._data_at, None   # used once: a fit() that raises leaves no claim
-        target = {"model": keras_state.state_tree(model), "progress": dict.fromkeys(keras_state.PROGRESS, 0)}
-        try:
-            if self.fallback:   # the newest intact step (a warning names each damaged one passed)
-                tree = self.manager.restore(target=target, fallback=True)
-                latest, step = step, self.manager.restored_step
-                # the damaged steps after it: the resumed run saves those step numbers anew, over them
-                self._replace = {s for s in self.manager.all_steps() if step < s <= latest}
-            else:
-                tree = self.manager.restore(step, target=target)
-        except IncompatibleCheckpointError as e:
-            detail = "\n".join(line for line in str(e).splitlines() if not line.startswith("Fix:"))
-            raise IncompatibleCheckpointError(
-                f"AsyncCheckpoint: the model does not match checkpoint step {getattr(e, 'step', step)} in "
-                f"{self.manager.store.url}; "
-                f"nothing was loaded. {detail}\nFix: build and compile the same model (layer names and shapes, "
-                f"optimizer, metrics) before fit(), or start in a new directory.", e.mismatches) from None
-        try:
-            host = self.manager.host_state(step) or {}
-        except IncompatibleCheckpointError as e:   # saved by another number of processes
-            log.warning("ckpt_callbacks: not restoring the host RNG / data state of step %d: %s", step, e)
-            host = {}
-        move_data = host.get("data") is not None and self._state_iterator() and step != data_at
-        if move_data and self._yields != self._yields_mark:   # before anything is loaded
-            raise ConfigError(
-                f"AsyncCheckpoint: fit() read batches from a batches() generator at a position other "
-                f"than step {step}'s (the generator of an earlier fit() whose last save was not "
-                f"committed, or that raised), so resuming would train on them first; nothing was "
-                f"restored. Fix: pass a new cb.batches() to each fit().")
-        progress = tree["progress"]
-        epoch, batch = int(progress["epoch"]), int(progress["batch"])
-        if batch and self.data is None:   # before anything is loaded
-            raise ConfigError(
-                f"AsyncCheckpoint: step {step} in {self.manager.store.url} was saved inside epoch {epoch + 1}, "
-                f"after batch {batch} (by a run with data= or an int save_freq), but this AsyncCheckpoint has no "
-                f"data=, so fit() would train on that epoch's first {batch} batches again; nothing was restored. "
-                f"Fix: pass data= as the run that saved it did (the ResumableDataset also given to fit(), or the "
-                f"iterator), or data=False to restart that epoch from its first batch.")
-        values = tree["model"]
-        keras_state.assign(model, values)
-        self._resumed_metrics = keras_state.flatten(values["metrics_variables"])
-        self._global_step = int(progress["global_step"])
-        best = progress["best"]
-        self.best = None if best is None or math.isnan(best) else float(best)
-        if host.get("rng"):
-            keras_state.set_rng_state(host["rng"])
-        if move_data:
-            self.data.set_state(host["data"])   # (at `_data_at`, fit() has read on from there already)
-        saved_steps, steps = host.get("steps"), self._epoch_steps()
-        if batch and saved_steps and steps and int(saved_steps) != steps:
-            log.warning("ckpt_callbacks: step %d was saved after batch %d of epoch %d, whose epochs had %d "
-                        "batches; this fit's have %d (another batch size, steps_per_epoch or dataset?), so batch "
-                        "%d is not the same place in the data: the epoch continues from there all the same "
-                        "(resume from an epoch-end step to avoid this)", step, batch, epoch + 1, int(saved_steps),
-                        steps, batch)
-            if batch >= steps:   # nothing of that epoch is left (Keras fails on an epoch that runs no step)
-                log.warning("ckpt_callbacks: batch %d is at or past the end of this fit's epochs: resuming at the "
-                            "start of epoch %d", batch, epoch + 2)
-                epoch, batch = epoch + 1, 0
-        if batch and self._state_iterator():
-            log.warning("ckpt_callbacks: step %d was saved after batch %d of epoch %d; the iterator continues "
-                        "at the next unseen batch, but Keras runs all of that epoch's steps_per_epoch batches "
-                        "again, so later epochs end %d batches later than in an uninterrupted run (for an exact "
-                        "mid-epoch resume use ResumableDataset, or save at epoch ends)", step, batch, epoch + 1,
-                        batch)
-        if batch and self.data is False:
-            log.warning("ckpt_callbacks: step %d was saved after batch %d of epoch %d; data=False, so that "
-                        "epoch restarts from its first batch", step, batch, epoch + 1)
-            batch = 0
-        epochs = (self.params or {}).get("epochs")
-        if epochs is not None and epoch >= epochs:
-            log.warning("ckpt_callbacks: AsyncCheckpoint: resumed from step %d at epoch %d, but fit(epochs=%d) "
-                        "ends there: nothing left to train (epochs count from the start of the run in %s, "
-                        "as with BackupAndRestore; raise `epochs` to train on)", step, epoch + 1, epochs,
-                        self.manager.store.url)
-        model._initial_epoch = epoch or None
-        self._set_initial_epoch = True
-        self._resume_at = (epoch, batch)
-        self.resumed_step, self.initial_epoch, self.initial_batch = step, epoch, batch
-        if self.verbose:
-            print(f"AsyncCheckpoint: resumed from step {step} in {self.manager.store.url}: epoch {epoch + 1}"
-                  + (f", after batch {batch}" if batch else ""), flush=True)
+        keras_resume.restore(self, step)
 
     # -- hooks --------------------------------------------------------------------------------
     def on_epoch_begin(self, epoch, logs=None):
@@ -710,7 +489,7 @@ class AsyncCheckpoint(keras.callbacks.Callback):
             self.data.set_position(self.data.epoch, 0)                    # (stop_training): whole next time
         self._yields_mark = self._yields
         last = self._data_saved if self._state_iterator() else None
-        claim = last[0] if last is not None and _same(last[1], _state_of(self.data)) else None
+        claim = last[0] if last is not None and keras_resume.same(last[1], keras_resume.state_of(self.data)) else None
         self._undo_initial_epoch()
         self._data_at = None
         self._close(raise_errors=True)
@@ -723,7 +502,7 @@ class AsyncCheckpoint(keras.callbacks.Callback):
         model.jax_state_sync()   # mid-epoch, the live (to-be-donated) state is in model._jax_state
         progress = {"epoch": int(epoch), "batch": int(batch), "global_step": int(self._global_step),
                     "best": float("nan") if self.best is None else float(self.best), "version": 1}
-        host = {"rng": keras_state.rng_state(), "steps": self._epoch_steps()}
+        host = {"rng": keras_state.rng_state(), "steps": keras_resume.epoch_steps(self)}
         if self._state_iterator():
             host["data"] = self.data.get_state()
         started = self.manager.save(self._global_step, {"model": keras_state.state_tree(model), "progress": progress},
