@@ -14,7 +14,7 @@ Who calls what: a person or a script, on any machine that can reach the director
 `main(argv)` parses, then runs one subcommand in this process. It never uses an accelerator: it
 pins JAX to the CPU and reads through storage/format/restore.leaf_reader without creating device
 arrays. `gc` takes the directory's writer lock (local directories) so it never races a live
-trainer; every other subcommand only reads. Exit status: 0 ok, 1 damage found (`verify`) or an
+trainer (`ckpt_callbacks.cli_gc`); every other subcommand only reads. Exit status: 0 ok, 1 damage found (`verify`) or an
 error, 2 bad usage.
 """
 
@@ -27,7 +27,7 @@ import os
 import sys
 import time
 
-__all__ = ["main", "build_parser"]
+__all__ = ["main", "build_parser", "read_manifests", "leftover_records"]
 
 
 def _strict(x):
@@ -96,7 +96,7 @@ def _steps_list(text: str) -> list[int]:
 
 
 # -- reading helpers -------------------------------------------------------------------------
-def _manifests(store, steps):
+def read_manifests(store, steps):
     """{step: manifest or the CheckpointError that reading it raised}."""
     from .errors import CheckpointError, StorageUnavailableError
     from .restore import read_manifest
@@ -147,7 +147,7 @@ def _best(manifests: dict, best_arg):
 # -- ls --------------------------------------------------------------------------------------
 def cmd_ls(args, store, out) -> int:
     steps = store.committed_steps()
-    ms = _manifests(store, steps)
+    ms = read_manifests(store, steps)
     spec, src, best = _best(ms, args.best)
     rows = []
     for s in steps:
@@ -157,7 +157,7 @@ def cmd_ls(args, store, out) -> int:
                      "time": (m.get("time") if ok else None), "bytes": (m.get("bytes") if ok else None),
                      "size": store.size(s), "metrics": (m.get("metrics") or {}) if ok else {},
                      "best": s == best, "error": None if ok else str(m)})
-    partial = _leftovers(store, steps)
+    partial = leftover_records(store, steps)
     if args.json:
         _json({"directory": store.url, "steps": rows, "partial": partial,
                "best": {"step": best, **spec, "source": src} if spec else None}, out)
@@ -194,7 +194,7 @@ def cmd_ls(args, store, out) -> int:
     return 0
 
 
-def _leftovers(store, steps) -> list[dict]:
+def leftover_records(store, steps) -> list[dict]:
     """`store.leftovers()` as `ls` lists them: "partial" (an unfinished save's data), "recoverable"
     (a step left only as the copy its interrupted forced replacement moved aside), or "stale
     record" (object stores: a committed step whose save died before dropping its ``pending/``
@@ -339,101 +339,6 @@ def cmd_verify(args, store, out) -> int:
     return 1 if bad else 0
 
 
-# -- gc --------------------------------------------------------------------------------------
-def cmd_gc(args, store, out) -> int:
-    from . import lock
-    from .errors import ConfigError
-    from .retention import StepInfo, best_policy, decide, has_number, retention_from_config
-    from .verify import problem_text
-    config = {"keep_last": args.keep_last, "keep_every": args.keep_every, "keep_best": args.keep_best,
-              "keep_steps": args.keep_steps, "keep_every_n_seconds": args.keep_every_n_seconds}
-    config = {k: v for k, v in config.items() if v is not None}
-    if not config:
-        sys.stderr.write("ckpt-callbacks gc: give at least one retention flag (--keep-last, --keep-every, --keep-best, --keep-steps, "
-                  "--keep-every-n-seconds); nothing deleted\n")
-        return 2
-    try:
-        policies = retention_from_config(config, "gc")
-    except ConfigError as e:   # a bad flag value: bad usage, as argparse's own refusals
-        sys.stderr.write(f"ckpt-callbacks gc: {e}\n")
-        return 2
-    locked = False
-    if store.local and not args.dry_run:
-        lock.acquire(store.root)   # CheckpointLockedError while a live trainer writes here
-        locked = True
-    try:
-        # a step whose forced replacement died between its two renames exists only as `.old-`:
-        # put back first, as a manager's start-up does (never removed as a leftover)
-        back = store.recoverable()
-        if not args.dry_run:
-            store.recover()
-        steps = store.committed_steps()
-        ms = _manifests(store, steps)
-        unreadable = [s for s in steps if not isinstance(ms[s], dict)]
-        infos = [StepInfo(s, float((m.get("extra") or {}).get("time", m.get("time", 0.0))), m.get("metrics") or {})
-                 for s, m in ms.items() if isinstance(m, dict)]
-        bp = best_policy(policies)
-        if bp is not None and infos and not bp.rank(infos):   # a typo would keep no best at all
-            seen = sorted({k for i in infos for k in i.metrics if has_number(i.metrics, k)})
-            sys.stderr.write(f"ckpt-callbacks gc: --keep-best {bp.metric}: no committed step reported "
-                             f"{bp.metric!r} (as a number; they report: {', '.join(seen) or 'no metrics'}), so it "
-                             f"would keep no best step; nothing deleted. Fix: check the metric's name, or "
-                             f"leave out --keep-best\n")
-            return 2
-        damaged = _damaged_kept(store, policies, infos) if args.verify else {}
-        keep = decide(policies, [i for i in infos if i.step not in damaged]) | set(unreadable) | set(damaged)
-        delete = [s for s in steps if s not in keep]
-        partial = [p for p in _leftovers(store, steps) if p["status"] != "recoverable"] if args.remove_partial else []
-        verb = "would delete" if args.dry_run else "deleting"
-        for n, s in back.items():
-            out.write(f"  put back step {s} from {n} (its forced replacement was interrupted)\n" if not args.dry_run
-                      else f"  would put back step {s} from {n} (its forced replacement was interrupted; "
-                           f"not counted by this dry run)\n")
-        out.write(f"{store.url}: {len(steps)} committed; keeping {sorted(keep)}\n")
-        for s in unreadable:
-            out.write(f"  step {s}: manifest unreadable, kept (run `ckpt-callbacks verify`)\n")
-        for s, problems in sorted(damaged.items()):
-            out.write(f"  step {s}: damaged ({problem_text(*problems[0])}), kept but "
-                      f"not counted by the policy (`ckpt-callbacks verify --step {s}` lists it all)\n")
-        for s in delete:
-            out.write(f"  {verb} step {s}\n")
-            if not args.dry_run:
-                store.delete(s)
-        for p in partial:
-            out.write(f"  {verb} partial {p['name']}\n" if p["status"] == "partial" else
-                      f"  {'would drop' if args.dry_run else 'dropping'} the stale record of committed step "
-                      f"{p['step']} (the step stays)\n")
-            if not args.dry_run:
-                store.remove(p["name"])
-        if not delete and not partial:
-            out.write("  nothing to delete\n")
-    finally:
-        if locked:
-            lock.release(store.root)
-    return 0
-
-
-def _damaged_kept(store, policies, infos) -> dict:
-    """--verify: {step: problems} of the steps that fail `verify_step`, reading only the steps the
-    policy keeps, newest first, and deciding again without each damaged one found (so that a damaged
-    step never takes the place of an intact one), until every kept step is verified."""
-    from .retention import decide
-    from .verify import verify_step
-    damaged: dict = {}
-    ok: set = set()
-    while True:
-        keep = decide(policies, [i for i in infos if i.step not in damaged])
-        todo = sorted(keep - ok, reverse=True)
-        if not todo:
-            return damaged
-        for s in todo:
-            problems = verify_step(store, s)   # StorageUnavailableError: nothing is deleted
-            if problems:
-                damaged[s] = problems
-                break
-            ok.add(s)
-
-
 # -- timeline --------------------------------------------------------------------------------
 def cmd_timeline(args, store, out) -> int:
     from . import timeline
@@ -528,7 +433,10 @@ def _main(argv, out) -> int:
         store = open_store(args.directory)
         if store.local and not os.path.isdir(store.root):   # a typo in the path is not "0 committed"
             raise CheckpointNotFoundError(f"{store.url}: no such directory")
-        return {"ls": cmd_ls, "inspect": cmd_inspect, "verify": cmd_verify, "gc": cmd_gc,
+        if args.cmd == "gc":
+            from .cli_gc import cmd_gc
+            return cmd_gc(args, store, out)
+        return {"ls": cmd_ls, "inspect": cmd_inspect, "verify": cmd_verify,
                 "timeline": cmd_timeline}[args.cmd](args, store, out)
     except BrokenPipeError:   # `ckpt-callbacks inspect DIR | head`: the reader left; stop quietly
         sys.stdout = open(os.devnull, "w")
