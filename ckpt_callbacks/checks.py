@@ -24,6 +24,7 @@ import numbers
 from . import format as fmt
 from .errors import ConfigError
 from .retention import as_int
+from .treepath import encodable
 
 __all__ = ["check_flag", "check_save_options", "check_step", "check_metrics"]
 
@@ -64,8 +65,10 @@ def check_metrics(metrics) -> dict:
         raise ConfigError(f"metrics must be a dict of str -> number, got {type(metrics).__name__}")
     out = {}
     for k, v in metrics.items():
-        if not isinstance(k, str):
-            raise ConfigError(f"metrics key {k!r} must be a str")
+        if not isinstance(k, str) or not encodable(k):
+            raise ConfigError(f"metrics key {k!r} must be a str (valid Unicode)")
+        if isinstance(v, str) and not encodable(v):
+            raise ConfigError(f"metrics[{k!r}] = {v!r} is not valid Unicode (a lone surrogate)")
         if isinstance(v, bool) or (getattr(v, "dtype", None) == bool and getattr(v, "shape", None) == ()):
             out[k] = bool(v)   # kept as a bool (never ranks), numpy's as Python's
             continue

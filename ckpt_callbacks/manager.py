@@ -211,9 +211,9 @@ class CheckpointManager:
             metrics = check_metrics(metrics)
             try:
                 host_bytes = None if host_state is None else fmt.pack_host_state(host_state)
-            except TypeError as e:
-                raise ConfigError(f"host_state must be msgpack-able (dicts, lists, str, bytes, bool, None, "
-                                  f"numbers within 64 bits): {e}") from None
+            except (TypeError, ValueError) as e:   # (ValueError: a str with a lone surrogate, nesting too deep)
+                raise ConfigError(f"host_state must be msgpack-able (dicts, lists, valid Unicode str, bytes, bool, "
+                                  f"None, numbers within 64 bits): {e}") from None
             snap = snapshot.plan(tree, coord=self.coord)
         except Exception as e:  # noqa: BLE001 - raised here, after the other processes hear of it
             if self.coord.process_count == 1:

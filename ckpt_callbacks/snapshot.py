@@ -256,6 +256,9 @@ def _classify(path, x) -> dict:
         rec["k"] = "none"
     elif (isinstance(x, (bool, str, bytes, float)) and not isinstance(x, np.float64)) or \
             (isinstance(x, int) and -2**63 <= x < 2**64):   # (np.float64 is a float: kept a numpy scalar below)
+        if isinstance(x, str) and not treepath.encodable(x):
+            raise InvalidTreeError(f"at {where}: the str {x!r} is not valid Unicode (a lone surrogate); store it "
+                                   f"as bytes (e.g. x.encode('utf-8', 'surrogatepass'))")
         rec.update(k="py", v=x)
     elif isinstance(x, int):
         raise InvalidTreeError(f"at {where}: int {x} does not fit in 64 bits; store it as a str")

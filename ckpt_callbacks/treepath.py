@@ -33,11 +33,25 @@ __all__ = ["KeyPath", "Flat", "flatten", "rebuild", "keystr", "match", "class_ch
 KeyPath = tuple  # tuple of (kind, key) pairs
 
 
+MAX_DEPTH = 100   # containers nested deeper are refused (msgpack nests the skeleton ~3 levels per level, up to 511)
+
+
+def encodable(text: str) -> bool:
+    """Whether a str can be stored (UTF-8, as msgpack writes it): not with a lone surrogate."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _entry(k) -> tuple:
     if isinstance(k, jtu.DictKey):
         key = k.key
         if isinstance(key, bool) or not isinstance(key, (str, int)):
             raise TypeError(f"dict key {key!r} of type {type(key).__name__}: only str and int keys can be saved")
+        if isinstance(key, str) and not encodable(key):
+            raise TypeError(f"dict key {key!r} is not valid Unicode (a lone surrogate): it cannot be saved")
         if isinstance(key, int) and not -2**63 <= key < 2**64:
             raise TypeError(f"dict key {key} does not fit in 64 bits: only int keys of 64 bits or fewer can be saved")
         return ("d", key)
@@ -126,6 +140,9 @@ def flatten(tree) -> Flat:
             paths.append(path)
             leaves.append(node)
             return {"l": len(leaves) - 1}
+        if len(path) >= MAX_DEPTH:
+            raise TypeError(f"at {keystr(path)[:120]}...: containers nested more than {MAX_DEPTH} levels deep "
+                            f"cannot be saved")
         kind, name = _kind(node)
         return {"t": kind, "n": name, "c": [[list(e), walk(child, path + (e,))] for e, child in kids]}
 

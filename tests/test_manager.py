@@ -540,6 +540,13 @@ def test_bad_save_arguments_raise_at_the_call_and_nothing_is_saved_or_lost(ckdir
                 m.save(step, tree(2))
         with pytest.raises(cc.ConfigError, match=r"metrics\['loss'\].*64 bits"):
             m.save(2, tree(2), metrics={"loss": 10**30})
+        # a lone surrogate (not UTF-8) failed in the writer, without saying where
+        with pytest.raises(cc.ConfigError, match="metrics key 'x\\\\udc80' must be a str \\(valid Unicode\\)"):
+            m.save(2, tree(2), metrics={"x\udc80": 1.0})
+        with pytest.raises(cc.ConfigError, match=r"metrics\['x'\] = '\\udc80' is not valid Unicode"):
+            m.save(2, tree(2), metrics={"x": "\udc80"})
+        with pytest.raises(cc.ConfigError, match="host_state must be msgpack-able"):
+            m.save(2, tree(2), host_state={"pos": "\udc80"})
         m.wait_until_finished()   # nothing was started: no background failure to re-raise
         assert m.all_steps() == [1]
         assert m.save(np.int64(3), tree(3)) and m.save(np.uint32(4), tree(4), metrics={"n": 2**63})

@@ -182,6 +182,7 @@ def test_a_deleted_jax_array_is_an_invalid_tree_naming_the_key_path(ckdir):
     (np.ma.masked_array([1.0, 2.0, -999.0], mask=[0, 0, 1]), "a numpy masked array would lose its mask"),
     (np.zeros((1,) * 33, np.float32), "33 dimensions; the format holds at most 32"),            # packed
     (np.zeros((2,) * 20 + (1,) * 13, np.float32), "33 dimensions; the format holds at most 32"),  # a zarr array
+    ("\ud800", "the str '\\\\ud800' is not valid Unicode"),   # (a lone surrogate: failed in the writer)
 ])
 def test_leaves_the_format_cannot_hold_as_they_are_are_refused_at_save_naming_the_key_path(ckdir, leaf, message):
     """A masked array was saved without its mask (restored with the masked values); a leaf of more

@@ -57,6 +57,7 @@ def test_int_and_str_keys_are_different_paths():
     ({"a": {2**70: 0}}, r"at \['a'\]: dict key 1180591620717411303424 does not fit in 64 bits"),
     ({"a": {-2**63 - 1: 0}}, "does not fit in 64 bits"),
     ({"a": [{1: 0, "b": 1}]}, r"at \['a'\]\[0\]: a dict with keys of types int, str"),
+    ({"a": {"\udc80": 0}}, r"at \['a'\]: dict key '\\udc80' is not valid Unicode"),   # failed in the writer
 ])
 def test_keys_that_cannot_be_written_are_refused_naming_the_path(tree, match):
     with pytest.raises(TypeError, match=match):
@@ -67,3 +68,16 @@ def test_keys_that_cannot_be_written_are_refused_naming_the_path(tree, match):
 def test_keystr():
     flat = treepath.flatten({"params": [NT(1, {"k": 2})]})
     assert flat.texts == ["['params'][0].a", "['params'][0].b['k']"]
+
+
+def test_containers_nested_beyond_the_limit_are_refused_and_up_to_it_kept():
+    """Deeper trees failed in the writer (msgpack's nesting limit) or raised a raw RecursionError."""
+    def nest(depth):
+        t = 0
+        for i in range(depth):
+            t = {"k": t} if i % 2 else [t]
+        return t
+    assert len(treepath.flatten(nest(treepath.MAX_DEPTH)).paths[0]) == treepath.MAX_DEPTH
+    for depth in (treepath.MAX_DEPTH + 1, 5000):
+        with pytest.raises(TypeError, match=f"nested more than {treepath.MAX_DEPTH} levels deep"):
+            treepath.flatten(nest(depth))
