@@ -70,7 +70,6 @@ def newest_intact(manager: CheckpointManager, latest: int) -> int:
     return latest
 
 
-
 def position_data(cb) -> int | None:
     """Put `data` at the latest committed step's position; that step, or None where there is
     none or it holds no state for this process (as `on_train_begin` treats it). Any other
@@ -90,7 +89,6 @@ def position_data(cb) -> int | None:
         return None
     cb.data.set_state(state)
     return step
-
 
 
 def epoch_steps(cb) -> int | None:
@@ -126,7 +124,6 @@ def check_epochs_are_passes(cb) -> None:
         f"AsyncCheckpoint: fit() runs {steps} steps per epoch, but the ResumableDataset holds {n} "
         f"batches: its epochs must be whole passes for a resume to continue at the right batch. "
         f"Fix: drop steps_per_epoch (or set it to {n}), or make the dataset's length the epoch.")
-
 
 
 def restore(cb, step: int) -> None:
