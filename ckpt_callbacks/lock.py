@@ -173,17 +173,26 @@ def _sweep(root: str, host: str) -> None:
                 pass
 
 
-def check(root: str) -> None:
-    """Raise `CheckpointLockedError` unless this process still holds the lock of `root` (the
-    manager's save asks, process 0): a directory removed or replaced while its manager was open
-    has lost the lock, and another writer may hold it since."""
-    path = os.path.join(root, LOCK_NAME)
+def _owner(path: str) -> dict | None:
+    """The owner a lock file names; None where there is none or it cannot be read."""
     try:
         with open(path) as f:
             owner = json.load(f)
     except (OSError, ValueError):
-        owner = None
-    if isinstance(owner, dict) and owner.get("pid") == os.getpid() and owner.get("host") == socket.gethostname():
+        return None
+    return owner if isinstance(owner, dict) else None
+
+
+def _ours(owner: dict | None) -> bool:
+    return owner is not None and owner.get("pid") == os.getpid() and owner.get("host") == socket.gethostname()
+
+
+def check(root: str) -> None:
+    """Raise `CheckpointLockedError` unless this process still holds the lock of `root` (the
+    manager's save asks, process 0): a directory removed or replaced while its manager was open
+    has lost the lock, and another writer may hold it since."""
+    owner = _owner(os.path.join(root, LOCK_NAME))
+    if _ours(owner):
         return
     now = "no lock file" if owner is None else f"the lock of host {owner.get('host')}, pid {owner.get('pid')}"
     raise CheckpointLockedError(
@@ -195,10 +204,8 @@ def check(root: str) -> None:
 def release(root: str) -> None:
     path = os.path.join(root, LOCK_NAME)
     _HELD.discard(os.path.realpath(root))
-    try:
-        with open(path) as f:
-            owner = json.load(f)
-        if owner.get("pid") == os.getpid() and owner.get("host") == socket.gethostname():
+    if _ours(_owner(path)):
+        try:
             os.unlink(path)
-    except (OSError, ValueError):
-        pass
+        except OSError:
+            pass

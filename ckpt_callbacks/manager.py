@@ -223,7 +223,7 @@ class CheckpointManager:
         self._caller = threading.current_thread()
         self._pool.recycle()   # the previous save's writer is joined: its copies are free again
         token, committed, metrics = agreement.agree(self, step, metrics, refused, replace,
-                                                        None if refused is not None else snap)
+                                                    None if refused is not None else snap)
         if committed and not replace:
             if not quiet:
                 log.warning("ckpt_callbacks: step %d is already committed in %s; not saving it again "
