@@ -57,8 +57,7 @@ def cmd_gc(args, store, out) -> int:
         steps = store.committed_steps()
         ms = read_manifests(store, steps)
         unreadable = [s for s in steps if not isinstance(ms[s], dict)]
-        infos = [StepInfo(s, float((m.get("extra") or {}).get("time", m.get("time", 0.0))), m.get("metrics") or {})
-                 for s, m in ms.items() if isinstance(m, dict)]
+        infos = [StepInfo.of_manifest(s, m) for s, m in ms.items() if isinstance(m, dict)]
         bp = best_policy(policies)
         if bp is not None and infos and not bp.rank(infos):   # a typo would keep no best at all
             seen = sorted({k for i in infos for k in i.metrics if has_number(i.metrics, k)})

@@ -115,7 +115,7 @@ def acquire(root: str) -> None:
             owner = {}
         owner = owner if isinstance(owner, dict) else {}
         host, pid = owner.get("host"), owner.get("pid")
-        if host == me["host"] and pid == me["pid"]:
+        if _ours(owner):
             _HELD.add(os.path.realpath(root))   # left by an earlier manager of ours that was never closed
             return
         if not owner and time.time() - st.st_mtime < _UNREADABLE_S:

@@ -94,8 +94,7 @@ def step_infos(mngr) -> list[StepInfo]:
             mngr._info_tokens[s] = token
             try:
                 m = restore_mod.read_manifest(mngr.store, s)
-                mngr._infos[s] = StepInfo(s, float((m.get("extra") or {}).get("time", m.get("time", 0.0))),
-                                          m.get("metrics") or {})
+                mngr._infos[s] = StepInfo.of_manifest(s, m)
             except StorageUnavailableError:
                 raise   # says nothing about the step: not remembered as metric-less
             except CheckpointError as e:

@@ -34,6 +34,13 @@ class StepInfo:
     time: float = 0.0
     metrics: Mapping = dataclasses.field(default_factory=dict)
 
+    @classmethod
+    def of_manifest(cls, step: int, manifest: Mapping) -> "StepInfo":
+        """What retention ranks `step` by, from its manifest: the save time the manager recorded
+        (``extra.time``; the manifest's own ``time`` where there is none) and the metrics."""
+        when = (manifest.get("extra") or {}).get("time", manifest.get("time", 0.0))
+        return cls(step, float(when), manifest.get("metrics") or {})
+
 
 class Policy:
     """A retention policy: `keep(infos)` returns the set of steps it keeps."""
