@@ -233,7 +233,7 @@ def _write_direct_blocks(fd: int, raw: memoryview, address: int, base: int = 0) 
     return how many bytes were written (0 where the buffer is not aligned) and whether the file
     system refused direct I/O. The caller writes the rest through the page cache.
 
-    Why: a page-aligned `snapshot.HostPool` buffer goes from memory to the device without
+    Why: a page-aligned `hostmem.HostPool` buffer goes from memory to the device without
     filling new page-cache pages, which on a VM whose host takes back freed memory cost ~8x the
     CPU of the copy itself (docs/benchmarks-log.md), and without evicting the user's own cached data.
     The file is fsynced as usual afterwards: ``O_DIRECT`` alone does not make it durable."""

@@ -32,7 +32,8 @@ import numpy as np
 
 from . import chunkwrite
 from . import format as fmt
-from .snapshot import Snapshot, host_empty
+from .hostmem import host_empty
+from .snapshot import Snapshot
 from .storage import Store, submit
 
 __all__ = ["WINDOW_BYTES", "Workers", "EarlySync", "WriteThrough", "write_blob", "chunk_files",

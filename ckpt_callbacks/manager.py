@@ -49,7 +49,7 @@ import time
 
 import msgpack
 
-from . import agreement, coordination, lock, retain, resume, shutdown, snapshot
+from . import agreement, coordination, hostmem, lock, retain, resume, shutdown, snapshot
 from . import format as fmt
 from .checks import check_flag, check_metrics, check_save_options, check_step
 from .errors import CheckpointError, CheckpointNotFoundError, ConfigError, CorruptCheckpointError
@@ -133,7 +133,7 @@ class CheckpointManager:
         self._top_saved = -1   # the highest step this manager committed (`agreement.warn_below`)
         self._warned_unranked: set[str] = set()   # `agreement.warn_unranked` said it for these metrics
         self._thread: threading.Thread | None = None
-        self._pool = snapshot.HostPool()   # warm buffers for the copies of host-side leaves
+        self._pool = hostmem.HostPool()   # warm buffers for the copies of host-side leaves
         self._workers: Workers | None = None   # the writer's threads, started at the first save
         self._error: BaseException | None = None
         self._closed = False
@@ -231,7 +231,7 @@ class CheckpointManager:
             return False
         if self.coord.process_index == 0:
             agreement.warn_unranked(self, step, metrics)
-        budget = snapshot.ByteBudget(self.max_staging_bytes)
+        budget = hostmem.ByteBudget(self.max_staging_bytes)
         items: queue.SimpleQueue = queue.SimpleQueue()
         save_time = self.clock()
         extra_info = {"time": save_time}

@@ -41,7 +41,8 @@ from . import format as fmt
 from . import chunkwrite, layout, localwrite
 from .coordination import CoordinationTimeoutError, Coordinator, SingleProcess
 from .errors import CheckpointSaveError, space_hint
-from .snapshot import BLOB_MAX_BYTES, ByteBudget, Snapshot
+from .hostmem import ByteBudget
+from .snapshot import BLOB_MAX_BYTES, Snapshot
 from .storage import Store, submit
 
 __all__ = ["SaveStats", "write_and_commit", "zarr_spec"]

@@ -182,7 +182,7 @@ def test_a_claimed_file_is_overwritten_in_place_only_when_safe(tmp_path, offer):
 
 
 def page_aligned(x: np.ndarray) -> np.ndarray:
-    """A copy of `x` in an anonymous mapping, page-aligned like snapshot.HostPool's buffers."""
+    """A copy of `x` in an anonymous mapping, page-aligned like hostmem.HostPool's buffers."""
     out = np.frombuffer(mmap.mmap(-1, max(x.nbytes, 1)), x.dtype, count=x.size).reshape(x.shape)
     out[...] = x
     return out

@@ -1,16 +1,14 @@
-"""The blocking part of a save: what `snapshot.copy` hands the writer, and the HostPool of warm
-buffers that host-side leaves are copied into."""
+"""The blocking part of a save: what `snapshot.copy` hands the writer (the HostPool and ByteBudget
+themselves: test_hostmem.py)."""
 
-import mmap
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 import pytest
 
 import ckpt_callbacks as cc
-from ckpt_callbacks import snapshot
+from ckpt_callbacks import hostmem, snapshot
 
 
 def _copies(tree, pool=None, budget=None):
@@ -27,111 +25,19 @@ def _copies(tree, pool=None, budget=None):
     return snap, out
 
 
-SOURCES = {
-    "f32": np.arange(12, dtype=np.float32).reshape(3, 4),
-    "bf16": np.arange(6, dtype=np.float32).astype(ml_dtypes.bfloat16),
-    "bool": np.array([True, False, True]),
-    "scalar": np.float64(2.5),
-    "empty": np.zeros((0, 5), np.int32),
-    "fortran": np.asfortranarray(np.arange(20, dtype=np.int16).reshape(4, 5)),
-    "big_endian": np.arange(5, dtype=">i4"),
-    "large": np.arange(3 << 19, dtype=np.float32),          # 6 MiB: a mapped buffer
-}
-
-
-@pytest.mark.parametrize("name", sorted(SOURCES))
-def test_a_pool_copy_is_exact_c_contiguous_and_writable(name):
-    src = SOURCES[name]
-    pool = snapshot.HostPool()
-    got = pool.copy_of(src)
-    assert got.dtype == np.asarray(src).dtype and got.shape == np.shape(src)
-    assert got.flags.c_contiguous and got.flags.writeable
-    np.testing.assert_array_equal(got, src)
-    assert not np.shares_memory(got, np.asarray(src)) or got.nbytes == 0
-
-
-def test_recycled_buffers_are_reused_by_size_and_unused_ones_are_dropped():
-    pool = snapshot.HostPool()
-    a = pool.copy_of(np.ones(1 << 20, np.float32))              # 4 MiB
-    b = pool.copy_of(np.ones(10, np.float32))
-    pool.recycle()
-    a2 = pool.copy_of(np.full(1 << 20, 3, np.float32))           # the same bytes: the same buffer
-    assert np.shares_memory(a, a2) and (a == 3).all()
-    c = pool.copy_of(np.ones(11, np.float32))                    # another size: a new buffer
-    assert not np.shares_memory(b, c)
-    pool.recycle()                                               # b was not used in this round
-    assert sorted(pool._free) == [44, 4 << 20]
-    pool.clear()
-    assert pool._free == {} and pool._lent == []
-
-
-@pytest.mark.parametrize("nbytes", [100, (64 << 10) + 3, 6 << 20])
-def test_a_pool_buffer_comes_from_the_heap_page_aligned_from_64_kib(nbytes):
-    """Pool buffers are malloc'd memory, not fresh mappings: a training process has freed memory
-    in its heap that comes back without page faults, where each page of a new mapping is faulted
-    in (on this project's VM ~3 ms per MiB). From 64 KiB they are page-aligned for O_DIRECT, by
-    ``posix_memalign`` rather than numpy (which asks for huge pages from 4 MiB, and under the
-    kernel's default defrag mode a fault there may first compact memory)."""
-    import weakref
-    buf = snapshot.host_empty(nbytes)
-    assert buf.nbytes == nbytes and buf.flags.writeable and buf.flags.c_contiguous
-    owner = buf
-    while isinstance(owner.base, np.ndarray):
-        owner = owner.base
-    if nbytes < 64 << 10:
-        assert owner.base is None and owner.flags.owndata        # numpy's own, small
-        return
-    assert buf.ctypes.data % mmap.PAGESIZE == 0
-    assert isinstance(owner.base, snapshot._Aligned)             # posix_memalign'd
-    buf[:] = 7
-    view = buf[-10:]
-    gone = weakref.ref(owner.base)
-    del buf, owner
-    assert gone() is not None and int(view.sum()) == 70          # a view keeps the block
-    del view
-    import gc
-    gc.collect()
-    assert gone() is None                                        # and the last one frees it
-
-
-def test_without_posix_memalign_a_pool_buffer_is_numpys_page_aligned(monkeypatch):
-    monkeypatch.setattr(snapshot, "_libc", lambda: None)   # e.g. Windows
-    buf = snapshot.host_empty(1 << 20)
-    assert buf.nbytes == 1 << 20 and buf.ctypes.data % mmap.PAGESIZE == 0 and buf.flags.writeable
-    assert not isinstance(buf.base, snapshot._Aligned)
-
-
-def test_clear_in_the_background_empties_the_pool_at_once_and_frees_the_buffers_soon():
-    import gc
-    import time
-    import weakref
-    pool = snapshot.HostPool()
-    pool.copy_of(np.ones(1 << 20, np.float32))                   # 4 MiB
-    pool.recycle()
-    pool.copy_of(np.ones(3, np.float32))                         # lent
-    refs = [weakref.ref(b) for free in pool._free.values() for b in free] + [weakref.ref(b) for b in pool._lent]
-    pool.clear(background=True)
-    assert pool._free == {} and pool._lent == []
-    deadline = time.monotonic() + 10
-    while any(r() is not None for r in refs) and time.monotonic() < deadline:
-        gc.collect()
-        time.sleep(0.01)
-    assert all(r() is None for r in refs)
-
-
 def test_cpu_state_within_the_pool_limit_is_copied_and_larger_or_budgeted_state_is_viewed():
     x = jax.device_put(jnp.arange(1 << 19, dtype=jnp.float32))   # 2 MiB: packed
     tree = {"x": x, "n": np.ones(4), "s": jnp.float32(1)}
-    snap, out = _copies(tree, snapshot.HostPool())
+    snap, out = _copies(tree, hostmem.HostPool())
     assert snap.pooled
     assert not any(np.shares_memory(v, np.asarray(x)) for v in out.values())
     np.testing.assert_array_equal(out[2], np.asarray(x))
 
-    snap, out = _copies(tree, snapshot.HostPool(max_bytes=1 << 20))   # over the limit: a view
+    snap, out = _copies(tree, hostmem.HostPool(max_bytes=1 << 20))   # over the limit: a view
     assert not snap.pooled and np.shares_memory(out[2], np.asarray(x))
 
-    budget = snapshot.ByteBudget(1 << 20)        # the budget wins too (x alone: nothing releases here)
-    snap, out = _copies({"x": x}, snapshot.HostPool(), budget)
+    budget = hostmem.ByteBudget(1 << 20)        # the budget wins too (x alone: nothing releases here)
+    snap, out = _copies({"x": x}, hostmem.HostPool(), budget)
     assert not snap.pooled and np.shares_memory(out[0], np.asarray(x))
 
     snap, out = _copies(tree)                                            # no pool: views

@@ -30,9 +30,9 @@ def sharded_state(seed=0):
 @pytest.fixture(params=["pooled copies", "views"])
 def snapshot_path(request, monkeypatch):
     """CPU leaves are copied into the manager's HostPool (small states) or viewed (large ones)."""
-    from ckpt_callbacks import snapshot
+    from ckpt_callbacks import hostmem
     if request.param == "views":
-        monkeypatch.setattr(snapshot, "EAGER_COPY_MAX_BYTES", 0)
+        monkeypatch.setattr(hostmem, "EAGER_COPY_MAX_BYTES", 0)
     return request.param
 
 
