@@ -38,7 +38,8 @@ blocks only for the snapshot (see `CheckpointManager.save`).
 What is saved: for NNX (a Module, an `nnx.Optimizer`, `nnx.Rngs`, or a tuple/list/dict of them)
 ``nnx.state(state)`` -- every Variable, typed RNG keys and optimizer state included -- restored
 with ``nnx.update`` in place onto the shardings the live Variables have now (so a model saved on a
-4x2 mesh resumes on 2x4). Any other pytree (a Linen `TrainState`, a dict) is saved as is and
+4x2 mesh resumes on 2x4); a tuple/list/dict that also holds other values (``{"model": m, "step":
+7}``) is saved element by element, and `restore_or_init` returns it anew. Any other pytree (a Linen `TrainState`, a dict) is saved as is and
 restored onto its own leaves' shardings; `restore_or_init` then returns a new state. The data
 iterator's ``get_state()`` (Grain `DatasetIterator`, `DataLoader` iterators, any object with
 ``get_state``/``set_state``) is saved per process as host state at the same step boundary, so a
@@ -107,14 +108,38 @@ def _is_nnx(state) -> bool:
     return False
 
 
+def _mixed(state) -> bool:
+    """A tuple/list/dict holding NNX objects beside other values (``{"model": m, "step": 3}``):
+    ``nnx.state`` of it would drop its Python numbers, str and None, and ``nnx.update`` cannot
+    set a tuple's elements back, so each element is saved (and put back) on its own."""
+    if not isinstance(state, (tuple, list, dict)) or not _is_nnx(state):
+        return False
+    items = state.values() if isinstance(state, dict) else state
+    return not all(_nnx().graph.is_graph_node(x) for x in items)
+
+
+def _elements(state, fn, other=None):
+    """`state` (a tuple, list or dict) rebuilt from ``fn(element, other's element)``."""
+    if isinstance(state, dict):
+        return {k: fn(v, None if other is None else other[k]) for k, v in state.items()}
+    out = [fn(v, None if other is None else other[i]) for i, v in enumerate(state)]
+    return type(state)(*out) if hasattr(state, "_fields") else type(state)(out)
+
+
 def state_tree(state):
-    """The pytree saved for `state`: ``nnx.state(state)`` for NNX objects, `state` itself otherwise."""
+    """The pytree saved for `state`: ``nnx.state(state)`` for NNX objects (a container mixing them
+    with other values: element by element), `state` itself otherwise."""
+    if _mixed(state):
+        return _elements(state, lambda x, _: state_tree(x))
     return _nnx().state(state) if _is_nnx(state) else state
 
 
 def put_back(state, restored):
-    """Apply a restored tree to `state`: ``nnx.update`` in place for NNX (returns `state`),
+    """Apply a restored tree to `state`: ``nnx.update`` in place for NNX (returns `state`; a
+    container mixing NNX objects with other values comes back anew, holding the same NNX objects),
     otherwise the restored tree is the new state."""
+    if _mixed(state):
+        return _elements(state, put_back, restored)
     if _is_nnx(state):
         _nnx().update(state, restored)
         return state

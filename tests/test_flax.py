@@ -350,6 +350,30 @@ def test_a_data_iterator_that_cannot_report_its_position_is_refused_up_front(ckd
     hook.close()
 
 
+def test_nnx_objects_beside_plain_values_are_saved_and_restored_all(ckdir):
+    """``nnx.state`` of ``{"model": m, "step": 7}`` drops the Python number, and ``nnx.update``
+    cannot set a tuple's elements: such containers were saved without those values (no error),
+    and a tuple of a model and a key failed to restore with flax's ValueError."""
+    lin = lambda seed: nnx.Linear(2, 2, rngs=nnx.Rngs(seed))
+    m = lin(0)
+    with CheckpointHook(ckdir, every_steps=1, preemption_signals=()) as hook:
+        hook(1, {"model": m, "step": 7, "lr": 0.5, "ema": {"w": jnp.full((2,), 3.0)}})
+        hook(2, (m, jax.random.key(5), 9))
+        hook.wait_until_finished()
+        assert sorted(hook.manager.restore(1)) == ["ema", "lr", "model", "step"]
+    with CheckpointHook(ckdir, every_steps=1, preemption_signals=()) as hook:
+        fresh = lin(1)
+        (got, key, n), start = hook.restore_or_init((fresh, jax.random.key(0), 0))
+        assert start == 2 and got is fresh and n == 9
+        assert_tree_equal(_host(nnx.state(got)), _host(nnx.state(m)))
+        np.testing.assert_array_equal(jax.random.key_data(key), jax.random.key_data(jax.random.key(5)))
+        target = {"model": lin(2), "step": 0, "lr": 0.0, "ema": {"w": jnp.zeros(2)}}
+        from ckpt_callbacks.flax import put_back, state_tree
+        back = put_back(target, hook.manager.restore(1, target=state_tree(target)))
+        assert back["model"] is target["model"] and (back["step"], back["lr"]) == (7, 0.5)
+        np.testing.assert_array_equal(back["ema"]["w"], np.full((2,), 3.0))
+
+
 def test_linen_trainstate_roundtrip_in_process(ckdir):
     import flax.linen as nn
     from flax.training import train_state
