@@ -151,8 +151,8 @@ def _as_step(step) -> int:
     if s is None:
         raise ConfigError(f"step must be an int (the number of training steps done), got "
                           f"{type(step).__name__} {step!r}")
-    if s < 0:
-        raise ConfigError(f"step must be >= 0, got {s}")
+    if not 0 <= s < 10**10:   # a step names a directory of 10 digits (as the manager's save refuses it)
+        raise ConfigError(f"step must be an int in [0, 1e10), got {s}")
     return int(s)
 
 

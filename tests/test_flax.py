@@ -508,7 +508,7 @@ def test_an_empty_on_steps_schedules_no_step(ckdir):
         CheckpointHook(ckdir + "3", on_steps=[], save_on_eval=False, preemption_signals=())
 
 
-@pytest.mark.parametrize("step", [True, np.bool_(False), 3.0, "3", np.float32(3), -1])
+@pytest.mark.parametrize("step", [True, np.bool_(False), 3.0, "3", np.float32(3), -1, 10**10, np.uint64(2**63 + 1)])
 def test_a_step_that_is_not_a_count_of_steps_is_refused_as_the_manager_refuses_it(ckdir, step):
     """A bool was taken for step 1 (or 0) by the hook, which the manager's save refuses."""
     hook = CheckpointHook(ckdir, every_steps=1, preemption_signals=())
