@@ -254,7 +254,6 @@ class CheckpointHook:
         self._last_step: int | None = None       # the last step passed to the hook / restored
         self._last_save_time = clock()
         self._pending: dict[int, dict] = {}
-        self._calls = 0
         self._warned_back = False
         self._replace: set[int] = set()   # damaged steps a fallback went past: replaced when reached
         self._closed = False
@@ -422,10 +421,10 @@ class CheckpointHook:
         timer = self.every_secs is not None and self.clock() - self._last_save_time >= self.every_secs
         if self.coord.process_count > 1 and (self._watcher is not None or self.every_secs is not None
                                              or self.save_on_eval):
-            self._calls += 1
+            self.manager._nhook_calls += 1   # counted by the manager: a later hook on it reuses no key
             mine = bytes([int(preempted), int(timer), int(evaled)])
-            got = self.coord.all_gather(f"hook/{self.manager.store.url.lstrip('/')}/{self._calls}", mine,
-                                        self.manager.timeout_s)
+            got = self.coord.all_gather(f"hook/{self.manager.store.url.lstrip('/')}/{self.manager._nhook_calls}",
+                                        mine, self.manager.timeout_s)
             preempted, timer, evaled = (any(g[i] for g in got) for i in range(3))
         return preempted, timer, evaled
 

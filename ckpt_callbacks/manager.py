@@ -124,6 +124,7 @@ class CheckpointManager:
         if not read_only:  # one key-value scope per writing manager (same order on every process)
             self.coord = coordination.for_directory(self.coord, self.store.url)
         self._nsaves = self._nrestores = 0
+        self._nhook_calls = 0   # CheckpointHook's per-step agreements: hooks sharing it in turn reuse no key
         self.history: list[SaveStats] = []
         self._infos: dict[int, StepInfo] = {}
         self._info_tokens: dict = {}   # step -> its `retain.local_token` when its info was read

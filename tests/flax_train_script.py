@@ -169,6 +169,22 @@ def two_process_preemption(root: str) -> dict:
             "w": [float(v) for v in m.restore(step)["w"]]}
 
 
+def two_hooks_on_one_manager(root: str) -> dict:
+    """Run in each of 2 processes: two hooks, one after the other, on one manager of the user's.
+    Each hook call agrees over the key-value store; the second hook must not reuse the first's keys."""
+    mngr = cc.CheckpointManager(root, timeout_s=30)
+    started = []
+    for phase in range(2):
+        with CheckpointHook(mngr, every_steps=2) as hook:
+            state, step = hook.restore_or_init({"w": np.zeros(4, np.float32)})
+            for s in range(step + 1, step + 4):
+                started.append(bool(hook(s, {"w": np.full(4, s, np.float32)})))
+    mngr.wait_until_finished()
+    steps = mngr.all_steps()
+    mngr.close()
+    return {"started": started, "steps": steps}
+
+
 def main():
     jax.config.update("jax_num_cpu_devices", 2)     # before any device is used
     jax.config.update("jax_platforms", "cpu")

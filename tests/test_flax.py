@@ -128,6 +128,16 @@ def test_sigterm_on_one_of_two_processes_stops_both_at_the_same_saved_step(tmp_p
     assert a["host"] == b["host"] == {"data_iterator": {"next_index": 4}}
 
 
+def test_a_second_hook_on_a_shared_manager_of_two_processes_reuses_no_agreement_key(tmp_path):
+    """Each hook counted its per-step agreements from 1, so a second hook on the same manager
+    failed at its first step: ALREADY_EXISTS, told as a dead coordination service."""
+    from multiproc import launch
+    res = launch("flax_train_script:two_hooks_on_one_manager", 2, devices_per_process=2, timeout_s=240,
+                 args={"root": str(tmp_path / "ckpt")}).raise_if_failed()
+    a, b = res.values
+    assert a == b == {"started": [False, True, False, False, True, False], "steps": [2, 4]}
+
+
 # -- in-process: a sharded NNX model -----------------------------------------------------------------
 
 class Sharded(nnx.Module):
