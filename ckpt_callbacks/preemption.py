@@ -14,7 +14,9 @@ Who calls what: `CheckpointHook` constructs one watcher on the main thread and r
 `requested` on every hook call; `close` restores the handlers that were installed before. The
 handler only records the signal (it never saves or raises inside the signal), so the save happens
 at the next step boundary, with the train state consistent. Previous handlers are not chained: a
-preemption notice means "save, then exit", which the loop does itself.
+preemption notice means "save, then exit", which the loop does itself -- except those of other
+live watchers (two hooks at once, e.g. the full state and the params apart): every one of them
+sees the signal, and closing them in any order leaves the handler that was there before them.
 
 Only the main thread of the main interpreter may install signal handlers; constructed elsewhere,
 the watcher installs nothing and `requested` stays False (a warning says so).
@@ -31,6 +33,8 @@ from .errors import CheckpointError
 __all__ = ["PreemptionWatcher", "Preempted"]
 
 log = logging.getLogger("ckpt_callbacks")
+
+_live: list = []   # the watchers not closed yet, oldest first (main thread only)
 
 
 class Preempted(CheckpointError):
@@ -58,14 +62,24 @@ class PreemptionWatcher:
             return
         for s in self.signals:
             self._previous[s] = signal.signal(s, self._handle)
+        _live.append(self)
 
     def _handle(self, signum, frame):  # runs on the main thread, between bytecodes
         self.requested = True
         self.signum = signum
+        prev = self._previous.get(signum)
+        if isinstance(getattr(prev, "__self__", None), PreemptionWatcher):   # a watcher installed before
+            prev(signum, frame)
 
     def close(self) -> None:
         """Put back the handlers that were installed before (idempotent)."""
         prev, self._previous = self._previous, {}
+        if self in _live:
+            _live.remove(self)
         for s, h in prev.items():
             if signal.getsignal(s) == self._handle:
                 signal.signal(s, h if h is not None else signal.SIG_DFL)
+            else:   # a later watcher is installed over this one: it goes back to what was before this one
+                for w in _live:
+                    if w._previous.get(s) == self._handle:
+                        w._previous[s] = h

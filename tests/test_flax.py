@@ -277,6 +277,28 @@ def test_sigterm_in_process_saves_off_schedule_and_restores_handler(ckdir):
     assert_tree_equal(cc.CheckpointManager(ckdir, read_only=True).restore(2), _tree(2))
 
 
+def test_two_hooks_at_once_both_save_on_sigterm_and_closing_them_in_any_order_puts_the_handler_back(ckdir):
+    """The newer hook's handler replaced the older one's: only it saved the preemption step (the
+    other lost it), and closing the older first left a closed hook's handler swallowing SIGTERM."""
+    before = signal.getsignal(signal.SIGTERM)
+    full, params = CheckpointHook(ckdir + "-full", every_steps=100), CheckpointHook(ckdir + "-params", every_steps=100)
+    full(1, _tree(1)), params(1, _tree(1))
+    os.kill(os.getpid(), signal.SIGTERM)
+    assert full(2, _tree(2)) and params(2, _tree(2))
+    assert full.should_stop and params.should_stop
+    assert full.manager.all_steps() == params.manager.all_steps() == [2]
+    full.close()
+    params.close()
+    assert signal.getsignal(signal.SIGTERM) == before
+    a, b, c = (CheckpointHook(f"{ckdir}-{i}", every_steps=100) for i in range(3))
+    b.close()   # the middle one first: a signal still reaches the other two
+    os.kill(os.getpid(), signal.SIGTERM)
+    assert a._watcher.requested and c._watcher.requested
+    c.close()
+    a.close()
+    assert signal.getsignal(signal.SIGTERM) == before
+
+
 class _Iter:
     """A minimal get_state/set_state iterator (not Grain): any such object works."""
 
