@@ -75,6 +75,7 @@ import time
 
 import numpy as np
 
+from .checks import check_step
 from .errors import CheckpointError, ConfigError, IncompatibleCheckpointError
 from .manager import CheckpointManager
 from .shutdown import close_on_exit
@@ -151,9 +152,7 @@ def _as_step(step) -> int:
     if s is None:
         raise ConfigError(f"step must be an int (the number of training steps done), got "
                           f"{type(step).__name__} {step!r}")
-    if not 0 <= s < 10**10:   # a step names a directory of 10 digits (as the manager's save refuses it)
-        raise ConfigError(f"step must be an int in [0, 1e10), got {s}")
-    return int(s)
+    return check_step(s)   # a step names a directory of 10 digits: refused as the manager's save refuses it
 
 
 def _checked_iterator(it):
