@@ -197,7 +197,8 @@ class CheckpointHook:
     Args:
       directory_or_manager: a directory / ``s3://`` / ``gs://`` URL (the hook then owns a
         `CheckpointManager` and closes it), or an existing manager (not closed by the hook).
-      every_steps, every_secs, on_steps: CLU-style schedule; any that fires saves the step.
+      every_steps, every_secs, on_steps: CLU-style schedule; any that fires saves the step
+        (`on_steps`: a collection of steps; a ``range`` is kept as is, however long).
       retention: policy / list / config dict for the manager the hook creates (see
         `CheckpointManager`); give it to your own manager instead when passing one.
       data_iterator: object with ``get_state()``/``set_state()``; can also be given to
@@ -218,7 +219,13 @@ class CheckpointHook:
         try:
             if isinstance(on_steps, (str, bytes)):
                 raise TypeError(on_steps)
-            self.on_steps = frozenset(_as_step(s) for s in (on_steps if on_steps is not None else ()))
+            if isinstance(on_steps, range) and on_steps.step > 0:
+                # kept as is: a range answers `in` at once, however many steps it spans
+                self.on_steps = range(_as_step(on_steps.start), on_steps.stop, on_steps.step)
+                if on_steps:
+                    _as_step(on_steps[-1])
+            else:
+                self.on_steps = frozenset(_as_step(s) for s in (on_steps if on_steps is not None else ()))
         except ConfigError as e:
             raise ConfigError(f"on_steps: {e}") from None
         except TypeError:   # not a collection: an int, a str, a 0-d numpy array

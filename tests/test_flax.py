@@ -529,6 +529,19 @@ def test_on_steps_must_be_a_collection_of_steps(ckdir, on_steps):
         CheckpointHook(ckdir, on_steps=on_steps, preemption_signals=())
 
 
+def test_on_steps_as_a_long_range_is_taken_at_once_and_checked_at_both_ends(ckdir):
+    """A range was expanded into a set of every step first: 10 million steps took ~20 s and 1 GiB."""
+    import time
+    t = time.perf_counter()
+    with CheckpointHook(ckdir, on_steps=range(100, 10**9, 100), save_on_eval=False, preemption_signals=()) as hook:
+        assert time.perf_counter() - t < 5
+        assert [hook(s, _tree(s)) for s in (99, 100, 150, 200)] == [False, True, False, True]
+    with pytest.raises(cc.ConfigError, match="on_steps"):
+        CheckpointHook(ckdir, on_steps=range(0, 10**12, 1000), preemption_signals=())
+    with pytest.raises(cc.ConfigError, match="on_steps"):
+        CheckpointHook(ckdir, on_steps=range(-5, 100, 10), preemption_signals=())
+
+
 def test_an_empty_on_steps_schedules_no_step(ckdir):
     """It saved every step (as if no schedule were given). As CLU's: no step is scheduled; eval steps
     still save; beside another schedule it adds nothing; with save_on_eval=False nothing would be saved."""
