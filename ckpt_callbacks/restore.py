@@ -60,7 +60,13 @@ def read_manifest(store: Store, step: int) -> dict:
         if isinstance(e, (CheckpointNotFoundError, StorageUnavailableError)):
             raise
         raise CorruptCheckpointError(f"{where} cannot be read: {e}") from None   # e.g. EIO
-    return fmt.unpack_manifest(data, where=where)
+    m = fmt.unpack_manifest(data, where=where)
+    if m["step"] != step:   # an intact manifest, checksum and all, of another step: never its data
+        raise CorruptCheckpointError(
+            f"{where} is the manifest of step {m['step']}, not of step {step}: the step's directory (or "
+            f"its manifest) was renamed, swapped or copied from another step. Fix: restore another step, "
+            f"or give the directory back its own name ({fmt.step_name(m['step'])})")
+    return m
 
 
 def read_host_state(store: Store, step: int, manifest: dict, process_index: int):

@@ -268,6 +268,31 @@ def test_damaged_packed_leaf_and_manifest(ckdir):
         cc.CheckpointManager(ckdir, read_only=True).restore()
 
 
+def test_a_step_directory_renamed_swapped_or_given_another_steps_manifest_is_damage(ckdir):
+    # every byte intact, checksums and all, but of another step: restoring it would return that
+    # step's data as this one's (and retention would rank it by that step's metrics)
+    with cc.CheckpointManager(ckdir, async_save=False) as m:
+        for s in (1, 2, 3):
+            m.save(s, {"w": np.full(4, float(s))}, metrics={"loss": 1.0 / s})
+    step = lambda s: os.path.join(ckdir, f"step_{s:010d}")
+    os.rename(step(3), step(5))                                     # renamed to another step number
+    os.rename(step(1), step(3)), os.rename(step(2), step(1)), os.rename(step(3), step(2))   # 1 and 2 swapped
+    r = cc.CheckpointManager(ckdir, read_only=True)
+    assert r.all_steps() == [1, 2, 5]                                 # still listed, as damaged
+    for s, holds in ((5, 3), (1, 2), (2, 1)):
+        with pytest.raises(cc.CorruptCheckpointError, match=f"manifest of step {holds}, not of step {s}"):
+            r.restore(s)
+        with pytest.raises(cc.CorruptCheckpointError):
+            r.metrics(s)
+    with pytest.raises(cc.CorruptCheckpointError):
+        r.restore(fallback=True)                                      # no intact step left to fall back to
+    os.rename(step(5), step(3))                                       # given back its own name: intact
+    shutil.copy(os.path.join(step(3), "manifest.msgpack"), os.path.join(step(1), "manifest.msgpack"))
+    assert r.restore(3)["w"].tolist() == [3.0] * 4
+    with pytest.raises(cc.CorruptCheckpointError, match="manifest of step 3, not of step 1"):
+        r.restore(1)
+
+
 def test_mismatches_name_key_paths(ckdir):
     save(ckdir, {"a": np.zeros((2, 3), np.float32), "b": {"c": np.zeros(4, np.int32)}, "d": 1})
     m = cc.CheckpointManager(ckdir, read_only=True)
