@@ -77,6 +77,10 @@ def read_host_state(store: Store, step: int, manifest: dict, process_index: int)
         data = store.read(f"{fmt.step_name(step)}/{name}")
     except CheckpointNotFoundError:   # the manifest names it: a committed step lost it (not "nothing saved")
         raise CorruptCheckpointError(f"host state of process {process_index} ({name}) is missing") from None
+    except StorageUnavailableError:
+        raise
+    except OSError as e:   # e.g. a directory in its place, EIO: damage, as for a manifest
+        raise CorruptCheckpointError(f"host state of process {process_index} ({name}) cannot be read: {e}") from None
     crc = (manifest.get("host_crc") or {}).get(process_index)
     if crc is not None and fmt.crc32c(data) != crc:
         raise CorruptCheckpointError(f"host state of process {process_index} ({name}) is damaged: "

@@ -228,6 +228,22 @@ def test_a_damaged_host_state_is_caught_by_its_checksum_and_fallback_passes_it(c
     assert [w for w, _ in verify_step(m.store, 2)] == ["host state of process 0"]
 
 
+def test_a_host_state_that_cannot_be_read_is_damage_and_fallback_passes_it(ckdir):
+    with cc.CheckpointManager(ckdir) as m:
+        for s in (1, 2):
+            m.save(s, {"x": np.full(4, s)}, host_state={"data": {"pos": s}})
+    host = os.path.join(ckdir, fmt.step_name(2), "host", "p0.msgpack")
+    os.remove(host)
+    os.mkdir(host)   # a directory in its place: the raw IsADirectoryError, no fallback, was raised
+    m = cc.CheckpointManager(ckdir, read_only=True)
+    with pytest.raises(cc.CorruptCheckpointError, match=r"step 2 in .* is damaged: host state of process 0 .* cannot be read"):
+        m.host_state(2)
+    out = m.restore(fallback=True)
+    assert m.restored_step == 1 and out["x"][0] == 1 and m.host_state(1) == {"data": {"pos": 1}}
+    from ckpt_callbacks.verify import verify_step
+    assert [w for w, _ in verify_step(m.store, 2)] == ["host state of process 0"]
+
+
 @pytest.mark.usefixtures("zarr_above_1mib")
 @pytest.mark.parametrize("damage", ["dir_is_file", "file_is_dir"])
 def test_broken_chunk_tree_is_corruption_and_restore_falls_back(ckdir, damage):
