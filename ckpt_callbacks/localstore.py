@@ -514,7 +514,11 @@ class LocalStore(Store):
     def size(self, step: int) -> int | None:
         total = 0
         for dirpath, _, files in os.walk(self.path(fmt.step_name(step))):
-            total += sum(os.path.getsize(os.path.join(dirpath, f)) for f in files)
+            for f in files:
+                try:   # the entry itself: a dangling symlink in a damaged step is that step's, not ls's, failure
+                    total += os.lstat(os.path.join(dirpath, f)).st_size
+                except FileNotFoundError:   # removed meanwhile (a writer's retention)
+                    pass
         return total
 
     def check_writable(self) -> None:

@@ -191,6 +191,22 @@ def test_verify_catches_a_corrupted_chunk_and_a_damaged_blob(ckpt, tmp_path):
     assert rc == 0 and out.strip() == "step 20: ok"
 
 
+@pytest.mark.parametrize("what", ["manifest", "chunk"])
+def test_ls_lists_a_step_holding_a_dangling_symlink_and_verify_reports_it(ckpt, tmp_path, what):
+    d = str(tmp_path / "run")
+    shutil.copytree(ckpt, d)
+    step = os.path.join(d, "step_0000000040")
+    f = os.path.join(step, "manifest.msgpack") if what == "manifest" else _chunk_files(step)[0]
+    os.remove(f)
+    os.symlink(os.path.join(d, "gone"), f)   # ls failed for the whole directory (FileNotFoundError)
+    rc, out, err = run("ls", d, "--json")
+    assert rc == 0, err
+    status = {r["step"]: r["status"] for r in json.loads(out)["steps"]}
+    assert status == {20: "committed", 30: "committed", 40: "damaged" if what == "manifest" else "committed"}
+    rc, out, _ = run("verify", d, "--quiet")
+    assert rc == 1 and "step 40: DAMAGED" in out
+
+
 def test_verify_catches_a_missing_chunk(ckpt, tmp_path):
     d = str(tmp_path / "run")
     shutil.copytree(ckpt, d)
