@@ -109,6 +109,9 @@ def acquire(root: str) -> None:
                 st, data = os.fstat(f.fileno()), f.read()
         except FileNotFoundError:
             continue   # released meanwhile
+        except OSError as e:   # e.g. a directory of that name: no owner to judge, and not ours to remove
+            raise CheckpointError(f"cannot read the lock file {path}: {e}. Fix: remove it if no process "
+                                  f"writes to {root}, or use another directory") from None
         try:
             owner = json.loads(data)
         except ValueError:

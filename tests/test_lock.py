@@ -13,7 +13,7 @@ import time
 import pytest
 
 from ckpt_callbacks import lock
-from ckpt_callbacks.errors import CheckpointLockedError
+from ckpt_callbacks.errors import CheckpointError, CheckpointLockedError
 
 HOLDER = r"""
 import sys
@@ -98,6 +98,14 @@ def test_a_live_owner_is_named_and_its_lock_kept(tmp_path):
         lock.acquire(d)
     with open(os.path.join(d, lock.LOCK_NAME)) as f:
         assert json.load(f) == owner
+
+
+def test_a_lock_path_that_cannot_be_read_is_a_checkpoint_error_naming_it_and_is_left_alone(tmp_path):
+    d = str(tmp_path)
+    os.mkdir(os.path.join(d, lock.LOCK_NAME))   # a directory of the lock's name: raw IsADirectoryError before
+    with pytest.raises(CheckpointError, match=f"cannot read the lock file {os.path.join(d, lock.LOCK_NAME)}"):
+        lock.acquire(d)
+    assert os.listdir(d) == [lock.LOCK_NAME] and os.path.isdir(os.path.join(d, lock.LOCK_NAME))
 
 
 def test_a_take_over_removes_only_the_stale_lock_it_read(tmp_path):
