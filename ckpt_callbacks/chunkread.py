@@ -113,7 +113,7 @@ BAND_BYTES = 1 << 20   # banded reads: small enough to stay in cache between rea
 def _open(path: str, nbytes: int, where: str) -> int:
     """An fd of chunk file `path`, checked to be a regular file of `nbytes` data + 4 CRC bytes."""
     try:
-        fd = os.open(path, os.O_RDONLY)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)   # a FIFO there is refused below, not waited on
     except FileNotFoundError:
         raise CorruptCheckpointError(f"{where}: chunk file {path} is missing", where) from None
     except OSError as e:   # e.g. a file where a chunk directory should be

@@ -34,7 +34,7 @@ from . import format as fmt
 from .errors import CheckpointError, CheckpointNotFoundError, StorageUnavailableError, storage_unavailable
 from .storage import Store, submit
 
-__all__ = ["LocalStore"]
+__all__ = ["LocalStore", "open_file"]
 
 
 def _each(fn, items: list, pool=None) -> None:
@@ -123,6 +123,17 @@ def _fs_type(path: str, mounts: str = "/proc/self/mounts") -> str:
         if (target == point or target.startswith(point.rstrip(b"/") + b"/")) and len(point) >= len(best):
             best, kind = point, os.fsdecode(fs)
     return kind
+
+
+def open_file(path: str):
+    """`path` opened for reading in binary mode, refused (OSError EINVAL; a directory: EISDIR)
+    unless it is a regular file: a FIFO or device in a checkpoint file's place would block a
+    reader in open() forever (hence O_NONBLOCK, which regular files ignore)."""
+    f = open(path, "rb", opener=lambda p, flags: os.open(p, flags | os.O_NONBLOCK))
+    if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+        f.close()
+        raise OSError(errno.EINVAL, "not a regular file", path)
+    return f
 
 
 def _fsync_path(path: str, directory: bool = False) -> None:
@@ -236,7 +247,7 @@ class LocalStore(Store):
 
     def read(self, rel: str) -> bytes:
         try:
-            with open(self.path(rel), "rb") as f:
+            with open_file(self.path(rel)) as f:
                 return f.read()
         except FileNotFoundError:
             raise CheckpointNotFoundError(f"{self.path(rel)} does not exist") from None

@@ -41,7 +41,7 @@ import numpy as np
 import tensorstore as ts
 
 from . import format as fmt
-from . import chunkread, layout, targets, treepath
+from . import chunkread, layout, localstore, targets, treepath
 from .errors import (CheckpointNotFoundError, CorruptCheckpointError, IncompatibleCheckpointError,
                      StorageUnavailableError, read_failure)
 from .storage import Store, submit
@@ -140,7 +140,7 @@ class leaf_reader:
             buf = chunkread.aligned_empty((len(data),), np.uint8)
             buf[:] = np.frombuffer(data, np.uint8)
             return buf
-        with open(self.store.path(rel), "rb") as f:
+        with localstore.open_file(self.store.path(rel)) as f:
             size = os.fstat(f.fileno()).st_size
             buf = chunkread.aligned_empty((size,), np.uint8)
             if f.readinto(memoryview(buf)) != size:
@@ -172,6 +172,14 @@ class leaf_reader:
         ``cache_bytes`` > 0 keeps up to that many decoded chunk bytes, so reading several boxes
         that share chunks decodes (and reads) each chunk once."""
         where = treepath.keystr(tuple(map(tuple, rec["p"])))
+        if self.store.local:   # tensorstore would wait forever in open() on a FIFO there
+            meta = self.store.path(f"{self.base}/{rec['z']}/zarr.json")
+            try:
+                localstore.open_file(meta).close()
+            except (OSError, ValueError) as e:   # (FileNotFoundError: tensorstore says it below)
+                if not isinstance(e, FileNotFoundError):
+                    raise read_failure(e, where, f"{rec['z']}/zarr.json", str(e),
+                                       f"{where}: {rec['z']}/zarr.json cannot be read: {e}") from None
         spec = {"driver": "zarr3", "kvstore": self.store.kvstore(f"{self.base}/{rec['z']}"),
                 "fill_missing_data_reads": False, "open": True}
         ctx = None

@@ -7,6 +7,7 @@ import os
 import pickle  # test-only: we craft pickle payloads to prove they are never executed
 import shutil
 import subprocess
+import threading
 
 import msgpack
 import numpy as np
@@ -242,6 +243,35 @@ def test_a_host_state_that_cannot_be_read_is_damage_and_fallback_passes_it(ckdir
     assert m.restored_step == 1 and out["x"][0] == 1 and m.host_state(1) == {"data": {"pos": 1}}
     from ckpt_callbacks.verify import verify_step
     assert [w for w, _ in verify_step(m.store, 2)] == ["host state of process 0"]
+
+
+@pytest.mark.usefixtures("zarr_above_1mib")
+@pytest.mark.parametrize("rel", ["manifest.msgpack", "arrays/0/zarr.json", "arrays/0/c/0/0", "blobs/p0-0.msgpack",
+                                 "host/p0.msgpack"])
+def test_a_fifo_in_a_files_place_is_damage_and_never_blocks_a_reader(ckdir, rel):
+    with cc.CheckpointManager(ckdir) as m:
+        m.save(1, {"a": np.ones((1, 2 << 20), np.uint8), "b": np.ones(3)}, host_state={"pos": 1})
+    path = os.path.join(ckdir, fmt.step_name(1), rel)
+    os.remove(path)
+    os.mkfifo(path)   # open() for reading waited forever for a writer (restore, host_state, verify, ls)
+    r = cc.CheckpointManager(ckdir, read_only=True)
+    got = []
+
+    def read():
+        try:
+            r.host_state(1) if rel.startswith("host") else r.restore(1)
+        except Exception as e:  # noqa: BLE001 - judged below
+            got.append(e)
+
+    t = threading.Thread(target=read, daemon=True)
+    t.start()
+    t.join(30)
+    if t.is_alive():   # let the blocked reader go (a writer's open and close give it EOF)
+        os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+        pytest.fail(f"a reader of {rel} blocked on the FIFO")
+    assert len(got) == 1 and isinstance(got[0], cc.CorruptCheckpointError), got
+    from ckpt_callbacks.verify import verify_step
+    assert verify_step(r.store, 1)   # reported, not waited on
 
 
 @pytest.mark.usefixtures("zarr_above_1mib")
