@@ -299,7 +299,7 @@ def cmd_inspect(args, store, out) -> int:
 
 # -- verify ----------------------------------------------------------------------------------
 def cmd_verify(args, store, out) -> int:
-    from .errors import CheckpointError, StorageUnavailableError
+    from .errors import CheckpointError, CheckpointNotFoundError, StorageUnavailableError
     from .restore import read_manifest
     from .verify import Progress, problem_text, verify_step
     steps = store.committed_steps() if args.all else [_pick_step(store, args.step)]
@@ -312,10 +312,14 @@ def cmd_verify(args, store, out) -> int:
         except CheckpointError:
             pass
     progress = Progress(total, sys.stderr, not args.quiet)
-    bad, done, stopped = {}, [], None
+    bad, gone, done, stopped = {}, set(), [], None
     try:
         for s in steps:
-            d = verify_step(store, s, progress)
+            try:
+                d = verify_step(store, s, progress)
+            except CheckpointNotFoundError:   # a writer's retention deleted it meanwhile: not damage
+                gone.add(s)
+                d = None
             done.append(s)
             if d:
                 bad[s] = d
@@ -328,6 +332,9 @@ def cmd_verify(args, store, out) -> int:
             out.write(f"step {s}: DAMAGED, {len(bad[s])} leaf/leaves:\n")
             for where, msg in bad[s]:
                 out.write(f"  {problem_text(where, msg)}\n")
+        elif s in gone:
+            out.write(f"step {s}: deleted while it was being verified (by a writer's retention, or a forced "
+                      f"save of it); not damaged\n")
         else:
             out.write(f"step {s}: ok\n")
     if stopped is not None:

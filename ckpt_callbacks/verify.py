@@ -24,7 +24,7 @@ import time
 import numpy as np
 
 from . import chunkread, format as fmt, treepath
-from .errors import CheckpointError, StorageUnavailableError, read_failure
+from .errors import CheckpointError, CheckpointNotFoundError, StorageUnavailableError, read_failure
 from .restore import leaf_reader, read_host_state, read_manifest
 
 __all__ = ["verify_step", "problem_text", "Progress"]
@@ -80,8 +80,22 @@ def verify_step(store, step: int, progress=None, window: int = 16) -> list[tuple
     """Read every leaf and host-state blob of `step`, checking every checksum.
 
     Returns ``[(key path or file, problem)]``; empty when the step is intact. Raises
-    `StorageUnavailableError` when the storage cannot be read at all (nothing is known then).
+    `StorageUnavailableError` when the storage cannot be read at all (nothing is known then), and
+    `CheckpointNotFoundError` when the step was deleted or replaced while it was read (a writer's
+    retention, as `restore` tells it: its files went, it was not damaged).
     """
+    token, listed = store.step_token(step), step in store.committed_steps()
+    damaged = _verify(store, step, progress, window)
+    if damaged and listed and (store.step_token(step) != token or step not in store.committed_steps()):
+        e = CheckpointNotFoundError(f"step {step} in {store.url} was deleted or replaced while it was being "
+                                    f"verified (by a writer's retention, or a forced save of that step); it "
+                                    f"was not found damaged")
+        e.deleted = True
+        raise e
+    return damaged
+
+
+def _verify(store, step: int, progress, window: int) -> list[tuple[str, str]]:
     try:
         m = read_manifest(store, step)
     except StorageUnavailableError:   # says nothing about the step: verifying cannot go on

@@ -207,6 +207,22 @@ def test_ls_lists_a_step_holding_a_dangling_symlink_and_verify_reports_it(ckpt, 
     assert rc == 1 and "step 40: DAMAGED" in out
 
 
+def test_a_step_retention_deletes_while_verify_reads_it_is_not_reported_damaged(ckpt, tmp_path, monkeypatch):
+    from ckpt_callbacks import verify
+    d = str(tmp_path / "run")
+    shutil.copytree(ckpt, d)
+    real = verify.read_manifest
+
+    def read_then_retention_deletes(store, step):   # a trainer's KeepLast hides the step meanwhile
+        m = real(store, step)
+        os.rename(os.path.join(d, "step_0000000040"), os.path.join(d, "step_0000000040.del-0123456789ab"))
+        return m
+
+    monkeypatch.setattr(verify, "read_manifest", read_then_retention_deletes)
+    rc, out, _ = run("verify", d, "--quiet")   # was: "step 40: DAMAGED" (its blob and chunks missing), exit 1
+    assert rc == 0 and "step 40: deleted while it was being verified" in out and "DAMAGED" not in out
+
+
 def test_verify_catches_a_missing_chunk(ckpt, tmp_path):
     d = str(tmp_path / "run")
     shutil.copytree(ckpt, d)
