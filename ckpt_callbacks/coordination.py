@@ -34,7 +34,7 @@ import jax
 from .errors import CheckpointSaveError
 
 __all__ = ["Coordinator", "SingleProcess", "JaxDistributed", "CoordinationTimeoutError", "current",
-           "for_directory"]
+           "for_directory", "for_collective_read"]
 
 
 class CoordinationTimeoutError(CheckpointSaveError):
@@ -186,3 +186,20 @@ def for_directory(coord: Coordinator, url: str) -> Coordinator:
         counter = _instances.setdefault(digest, itertools.count())
         n = next(counter)
     return coord.scoped(f"dir-{digest}/{n}")
+
+
+def for_collective_read(coord: Coordinator, url: str) -> Coordinator:
+    """`coord` scoped to the n-th collective restore of `url` through a read-only manager in this
+    process (n counts from 0).
+
+    A read-only manager takes no scope when it is made (one process alone may open one, to look);
+    a restore onto arrays that span several processes is collective (every process must call it
+    to build them), so every process counts these alike, whichever managers make them.
+    """
+    if coord.process_count == 1:
+        return coord
+    digest = hashlib.sha256(url.encode()).hexdigest()[:16]
+    with _instances_lock:
+        counter = _instances.setdefault(("read", digest), itertools.count())
+        n = next(counter)
+    return coord.scoped(f"read-{digest}/{n}")

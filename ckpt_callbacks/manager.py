@@ -415,14 +415,16 @@ class CheckpointManager:
             mngr.restore(3, target={"w": jax.ShapeDtypeStruct((3,), jnp.int32, sharding=device)})   # jax.Arrays
 
         With several processes and ``step=None``, process 0 picks the latest step and tells the
-        others, so every process restores the same step even while a save commits concurrently.
+        others, so every process restores the same step even while a save commits concurrently
+        (through a read-only manager: when `target` has arrays that span several processes, which
+        every process must restore alike; any other read-only restore decides on each process).
 
         A damaged step raises `CorruptCheckpointError` (it stays listed). With ``fallback=True``
         and ``step=None``, a damaged step is skipped with a warning and the next older committed
-        step is tried (every process moves together; a read-only manager decides alone on each
-        process); `restored_step` says which step was read. Storage that cannot be reached or
-        refuses access raises `StorageUnavailableError` (on every process, when several move
-        together) and is never a reason to fall back: it says nothing about the step.
+        step is tried (every process moves together, as above); `restored_step` says which step
+        was read. Storage that cannot be reached or refuses access raises
+        `StorageUnavailableError` (on every process, when several move together) and is never a
+        reason to fall back: it says nothing about the step.
 
         A step deleted while it is read (a writer elsewhere saving on with `KeepLast`, say) raises
         `CheckpointNotFoundError`; with ``step=None`` in one process the steps are listed again
@@ -434,9 +436,12 @@ class CheckpointManager:
         check_flag("fallback", fallback)
         self._check_process(reading=True)
         self._own_save_first()
+        coord = None   # a read-only manager's processes agree when the target spans them
+        if self.read_only and step is None and resume.collective(target):
+            coord = coordination.for_collective_read(self.coord, self.store.url)
         for attempt in range(3):
             try:
-                return resume.read(self, step, target, fallback)
+                return resume.read(self, step, target, fallback, coord)
             except CheckpointNotFoundError as e:   # (with several processes: raised on all of them alike)
                 if step is not None or not getattr(e, "deleted", False) or attempt == 2:
                     raise

@@ -11,36 +11,46 @@ Example::
 
 Who calls what: `CheckpointManager.restore` and `.host_state`, on every process with the same
 arguments (SPMD), after waiting for the manager's own save in flight. With several processes
-(a writing manager), `read` has process 0 list the steps (`agreed_candidates`) and every process
-try them in the same order, telling each other after each step how it went (`all_gather` with
-the manager's timeout), so that all restore the same step, fall back past a damaged one
-together, and raise the same class of error together. A read-only manager decides alone on
-each process.
+(a writing manager, or a read-only one restoring onto arrays that span processes: `collective`),
+`read` has process 0 list the steps (`agreed_candidates`) and every process try them in the same
+order, telling each other after each step how it went (`all_gather` with the manager's timeout),
+so that all restore the same step, fall back past a damaged one together, and raise the same
+class of error together. Any other read-only restore decides alone on each process.
 """
 
 from __future__ import annotations
 
 import logging
 
+import jax
 import msgpack
 
 from . import restore as restore_mod
 from .errors import (CheckpointError, CheckpointNotFoundError, ConfigError, CorruptCheckpointError,
                      IncompatibleCheckpointError, StorageUnavailableError)
 
-__all__ = ["read", "named", "host_state"]
+__all__ = ["read", "collective", "named", "host_state"]
 
 log = logging.getLogger("ckpt_callbacks")
 
 
-def read(mngr, step, target, fallback: bool):
+def collective(target) -> bool:
+    """Whether restoring onto `target` builds an array that spans several processes: every
+    process must make that call, so a read-only manager's processes can agree on its step."""
+    return any(isinstance(s := getattr(leaf, "sharding", None), jax.sharding.Sharding)
+               and not s.is_fully_addressable for leaf in jax.tree_util.tree_leaves(target))
+
+
+def read(mngr, step, target, fallback: bool, coord=None):
     """`CheckpointManager.restore` of one attempt: `step`, or the latest (with `fallback`, the newest
-    intact) committed step, onto `target`; sets `mngr.restored_step`."""
-    multi = mngr.coord.process_count > 1 and not mngr.read_only
+    intact) committed step, onto `target`; sets `mngr.restored_step`. The processes agree through
+    `coord` (a read-only manager's collective restore) or a writing manager's own coordinator."""
+    coord = coord if coord is not None or mngr.read_only else mngr.coord
+    multi = coord is not None and coord.process_count > 1
     if step is not None:
         candidates, fallback = [mngr._resolve(step)], False
     elif multi:   # process 0 lists the steps and tells the others: all try the same ones
-        candidates = agreed_candidates(mngr, fallback)
+        candidates = agreed_candidates(mngr, fallback, coord)
     else:
         steps = mngr.all_steps()
         if not steps:
@@ -83,7 +93,7 @@ def read(mngr, step, target, fallback: bool):
             deleted = isinstance(failure, CheckpointNotFoundError) and getattr(failure, "deleted", False)
             mine = (b"D" if deleted else b"U" if isinstance(failure, StorageUnavailableError)
                     else b"!" if failure is not None else b"1" if error is None else b"0")
-            oks = mngr.coord.all_gather(f"restore/{mngr._nrestores}/ok", mine, mngr.timeout_s)
+            oks = coord.all_gather(f"restore/{mngr._nrestores}/ok", mine, mngr.timeout_s)
             if failure is not None and not deleted:
                 raise failure
             failed = [p for p, ok in enumerate(oks) if ok in (b"U", b"!")]
@@ -126,19 +136,19 @@ def check_host_state(mngr, step: int) -> None:
         restore_mod.read_host_state(mngr.store, step, m, mngr.coord.process_index)
 
 
-def agreed_candidates(mngr, fallback: bool) -> list[int]:
+def agreed_candidates(mngr, fallback: bool, coord) -> list[int]:
     """The steps every process tries, newest first (all with `fallback`, else the latest), as
     process 0 lists them: one list even while a save commits or retention deletes meanwhile."""
     mngr._nrestores += 1
     mine = failure = None
-    if mngr.coord.process_index == 0:
+    if coord.process_index == 0:
         try:
             steps = mngr.all_steps()
             mine = msgpack.packb([steps[::-1] if fallback else steps[-1:], None])
         except Exception as e:   # noqa: BLE001 - told to the others, then re-raised
             failure = e
             mine = msgpack.packb([[], f"{type(e).__name__}: {e}"])
-    steps, err = msgpack.unpackb(mngr.coord.broadcast(f"restore/{mngr._nrestores}/latest", mine, mngr.timeout_s))
+    steps, err = msgpack.unpackb(coord.broadcast(f"restore/{mngr._nrestores}/latest", mine, mngr.timeout_s))
     if failure is not None:
         raise failure
     if err is not None:

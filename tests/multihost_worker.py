@@ -195,6 +195,7 @@ def save_and_check(root: str, one_process_dir: str | None = None, mesh_shape=(2,
         out["retained_deleted"] = [list(s.deleted) for s in mngr.history]
         out["retained_x"] = mngr.restore(target={"x": np.zeros(4, np.int32), "w": abstract(m)["w"]})["x"].tolist()
     out.update(fallback_together(os.path.join(root, "fallback"), m))
+    out.update(read_only_latest_together(root, m))
 
     # process 0 cannot list the committed steps when save(2) is called (an outage there only):
     # every process raises CheckpointSaveError, and the next save works on every process
@@ -277,6 +278,39 @@ def refusals(root: str, w) -> dict:
                                for s in range(1, 9)]
         hook.close()
         out["hook_steps"] = mngr.all_steps()
+    return out
+
+
+def read_only_latest_together(root: str, m: Mesh) -> dict:
+    """Read-only managers (an eval job's) restore the latest step onto arrays that span both
+    processes while step 2 commits between process 0's listing and process 1's: process 0 renames
+    step 2 into place right after it listed, process 1 lists only once it is there. Every process
+    must read the same step (step 1), or the arrays hold shards of two steps."""
+    from jax.experimental import multihost_utils
+    pi = jax.process_index()
+    d = os.path.join(root, "read_only_latest")
+    with cc.CheckpointManager(d, timeout_s=60) as mngr:
+        for step in (1, 2):
+            mngr.save(step, make_tree(global_values(step), m, seed=step))
+    step2, aside = os.path.join(d, "step_0000000002"), os.path.join(root, "read_only_step2")
+    if pi == 0:
+        os.rename(step2, aside)
+    multihost_utils.sync_global_devices("read-only step 2 aside")
+    reader = cc.CheckpointManager(d, read_only=True, timeout_s=60)
+    if pi == 0:
+        listed = reader.all_steps
+
+        def list_then_commit():
+            steps = listed()
+            os.rename(aside, step2)   # step 2 commits
+            return steps
+        reader.all_steps = list_then_commit
+    else:
+        while not os.path.exists(step2):
+            time.sleep(0.01)
+    restored = reader.restore(target=abstract(m, seed=1))
+    out = {"read_only_step": reader.restored_step, "read_only_check": check(restored, seed=1)}
+    reader.close()
     return out
 
 

@@ -174,6 +174,14 @@ def test_a_restore_of_the_latest_step_that_fails_on_one_process_fails_or_retries
     assert res[0]["damaged_restore"][0] == "CorruptCheckpointError" and "damaged on another process" in res[0]["damaged_restore"][1]
 
 
+def test_read_only_managers_restore_the_same_latest_step_on_every_process(two):
+    """An eval job's read-only managers listed the steps on each process: a step committing in
+    between gave process 0 step 1 and process 1 step 2, one array holding shards of both."""
+    _, res = two
+    for r in res:
+        assert r["read_only_step"] == 1 and r["read_only_check"] == [], r
+
+
 def test_start_up_failure_on_process_0_is_raised_on_every_process(two):
     _, res = two
     assert res[0]["locked"][0] == "CheckpointLockedError"
