@@ -222,8 +222,14 @@ class ObjectStore(Store):
             self._claim(name, "save", token)
             self._mine[name] = token
             _LIVE.add(token)
-            self._delete_key(MARKERS + name)
-            self._delete_prefix(name + "/")
+            try:
+                self._delete_key(MARKERS + name)
+                self._delete_prefix(name + "/")
+            except BaseException:
+                # the save fails before it has a staging name (nothing calls `abort`): no save owns
+                # the step now, so the next start-up in this process may clean what it claimed
+                self._forget(name)
+                raise
         return name
 
     def publish(self, staging: str, step: int, replace: bool = False, pool=None) -> None:

@@ -182,6 +182,29 @@ def test_cleanup_removes_only_leftovers_no_live_save_owns(objstore):
         live_here.wait()
 
 
+def test_a_save_that_fails_right_after_its_claim_leaves_nothing_live_to_clean(objstore):
+    """begin() claimed the step, then could not clear it (an outage): the save failed, but its
+    token stayed live for the rest of the process, so a new manager here never removed the record."""
+    with cc.CheckpointManager(objstore.url) as m:
+        m.save(1, tree_at(1))
+        m.wait_until_finished()
+        real = m.store._list
+
+        def outage(prefix):
+            if prefix.startswith("step_"):
+                raise cc.StorageUnavailableError(f"{objstore.url}: list {prefix} failed (simulated outage)")
+            return real(prefix)
+        m.store._list = outage
+        with pytest.raises(cc.CheckpointSaveError, match="simulated outage"):
+            m.save(2, tree_at(2))
+            m.wait_until_finished()
+        m.store._list = real
+    assert "pending/step_0000000002" in objstore.keys()
+    with cc.CheckpointManager(objstore.url) as m:   # the next start in this process cleans it
+        assert m.all_steps() == [1]
+    assert not [k for k in objstore.keys() if k.startswith("pending/")]
+
+
 def test_a_save_whose_claim_was_taken_is_not_committed(objstore):
     """A cleanup that (wrongly) judged a slow save dead removes its record: the save must fail."""
     store = open_store(objstore.url)
