@@ -437,7 +437,7 @@ class CheckpointManager:
         self._check_process(reading=True)
         self._own_save_first()
         coord = None   # a read-only manager's processes agree when the target spans them
-        if self.read_only and step is None and resume.collective(target):
+        if self.read_only and resume.collective(target):
             coord = coordination.for_collective_read(self.coord, self.store.url)
         for attempt in range(3):
             try:

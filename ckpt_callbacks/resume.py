@@ -15,7 +15,9 @@ arguments (SPMD), after waiting for the manager's own save in flight. With sever
 `read` has process 0 list the steps (`agreed_candidates`) and every process try them in the same
 order, telling each other after each step how it went (`all_gather` with the manager's timeout),
 so that all restore the same step, fall back past a damaged one together, and raise the same
-class of error together. Any other read-only restore decides alone on each process.
+class of error together; a named step is read so too where the target spans processes. Any other
+read-only restore, or a named step onto a target each process holds whole, decides alone on
+each process.
 """
 
 from __future__ import annotations
@@ -47,8 +49,17 @@ def read(mngr, step, target, fallback: bool, coord=None):
     `coord` (a read-only manager's collective restore) or a writing manager's own coordinator."""
     coord = coord if coord is not None or mngr.read_only else mngr.coord
     multi = coord is not None and coord.process_count > 1
+    missing = None
     if step is not None:
-        candidates, fallback = [mngr._resolve(step)], False
+        fallback = False
+        try:
+            candidates = [mngr._resolve(step)]
+        except CheckpointNotFoundError as e:   # not listed here
+            if not (multi and collective(target)):
+                raise
+            # listed on another process (a save committing or retention deleting between the
+            # listings): told to them below as a step gone, so that every process raises
+            e.deleted, missing, candidates = True, e, [int(step)]
     elif multi:   # process 0 lists the steps and tells the others: all try the same ones
         candidates = agreed_candidates(mngr, fallback, coord)
     else:
@@ -57,12 +68,16 @@ def read(mngr, step, target, fallback: bool, coord=None):
             raise CheckpointNotFoundError(f"no committed checkpoint in {mngr.store.url}")
         candidates = steps[::-1] if fallback else steps[-1:]
     # every process moves to the same step: a step that one process found damaged, or deleted
-    # while it was read (a save committing meanwhile), is left (or retried) by all of them
-    together = multi and (fallback or step is None)
+    # while it was read (a save committing meanwhile), is left (or retried) by all of them; a
+    # named step too where every process must make the call (arrays that span them), so that no
+    # process returns while another raises
+    together = multi and (fallback or step is None or collective(target))
     for i, s in enumerate(candidates):
         error = failure = None
         try:
             try:
+                if missing is not None:
+                    raise missing
                 tree = restore_mod.restore(mngr.store, s, target)
                 if fallback:   # this process's host state (a data position) is the step's too
                     check_host_state(mngr, s)
@@ -103,7 +118,10 @@ def read(mngr, step, target, fallback: bool, coord=None):
             if b"D" in oks:   # `restore` lists the steps again, on every process
                 raise failure if deleted else restore_mod.deleted_error(mngr.store, s)
             if error is None and b"0" in oks:
-                error = CorruptCheckpointError(f"step {s} is damaged on another process")
+                bad = [p for p, ok in enumerate(oks) if ok == b"0"]
+                error = CorruptCheckpointError(f"step {s} is damaged on process(es) {bad} (see their errors)")
+                if not fallback:
+                    error = named(mngr.store.url, s, error)
             if error is not None and not fallback:
                 raise error
         if error is None:

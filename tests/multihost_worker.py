@@ -270,6 +270,27 @@ def refusals(root: str, w) -> dict:
                 out["damaged_restore"] = None
             except cc.CheckpointError as e:
                 out["damaged_restore"] = [type(e).__name__, str(e)]
+            # a named step onto arrays that span both processes: damage found on process 1 only
+            # (process 0 returned while process 1 raised), then a step listed on process 0 only
+            spec = {"w": jax.ShapeDtypeStruct(w.shape, w.dtype, sharding=w.sharding)}
+
+            def damaged_on_1(store, step, target=None):
+                if pi == 1:
+                    raise cc.CorruptCheckpointError(f"step {step}: simulated damage on process 1")
+                return real(store, step, target)
+            restore_mod.restore = damaged_on_1
+            for case, listed in (("named_damaged", None), ("named_unlisted", [6] if pi == 0 else [5])):
+                real_steps = mngr.all_steps
+                if listed is not None:
+                    restore_mod.restore = real
+                    mngr.all_steps = lambda listed=listed: listed
+                try:
+                    mngr.restore(6, target=spec)
+                    out[case] = None
+                except cc.CheckpointError as e:
+                    out[case] = [type(e).__name__, str(e)]
+                finally:
+                    mngr.all_steps = real_steps
         finally:
             restore_mod.restore = real
     with cc.CheckpointManager(os.path.join(root, "hook"), timeout_s=60) as mngr:

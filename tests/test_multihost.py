@@ -171,7 +171,17 @@ def test_a_restore_of_the_latest_step_that_fails_on_one_process_fails_or_retries
     for r in res:   # the step deleted while process 1 read it: every process lists and reads again
         assert r["deleted_restore"] == [W.LAYOUT["w"][0][0], 6, 2], r
     assert res[1]["damaged_restore"][0] == "CorruptCheckpointError" and "simulated damage" in res[1]["damaged_restore"][1]
-    assert res[0]["damaged_restore"][0] == "CorruptCheckpointError" and "damaged on another process" in res[0]["damaged_restore"][1]
+    assert res[0]["damaged_restore"][0] == "CorruptCheckpointError" and "damaged on process(es) [1]" in res[0]["damaged_restore"][1]
+
+
+def test_a_named_step_onto_arrays_that_span_the_processes_fails_on_every_process_or_on_none(two):
+    """Damage that one process found in a named step made it raise while the other returned (and
+    then waited in its next collective); so did a step listed on one process only."""
+    _, res = two
+    assert res[1]["named_damaged"][0] == "CorruptCheckpointError" and "simulated damage" in res[1]["named_damaged"][1]
+    assert res[0]["named_damaged"][0] == "CorruptCheckpointError" and "damaged on process(es) [1]" in res[0]["named_damaged"][1]
+    assert "Fix:" in res[0]["named_damaged"][1]
+    assert [r["named_unlisted"][0] for r in res] == ["CheckpointNotFoundError"] * 2, res
 
 
 def test_read_only_managers_restore_the_same_latest_step_on_every_process(two):
