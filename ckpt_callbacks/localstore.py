@@ -19,46 +19,16 @@ fsyncs; local disks let `chunkwrite` bypass the page cache (``direct_io``).
 
 from __future__ import annotations
 
-import concurrent.futures
-import ctypes
-import errno
-import functools
 import os
-import re
-import shutil
 import stat
 import threading
-import time
 
 from . import format as fmt
+from . import localfs
 from .errors import CheckpointError, CheckpointNotFoundError, StorageUnavailableError, storage_unavailable
-from .storage import Store, submit
+from .storage import Store
 
-__all__ = ["LocalStore", "open_file"]
-
-
-def _each(fn, items: list, pool=None) -> None:
-    """`fn` on every item: on `pool`'s threads (or, without one, on threads started for the call)
-    when there are several, for calls that wait on the device and release the GIL; on this
-    thread where the pool takes no more tasks (interpreter shutdown, e.g. `close()` from
-    `atexit`: `submit`).
-    Returns once all have run; then re-raises the first failure (in item order). Never call it on
-    a thread of `pool`."""
-    if len(items) < 2:
-        for x in items:
-            fn(x)
-        return
-    own = None
-    try:
-        if pool is None:
-            pool = own = concurrent.futures.ThreadPoolExecutor(max_workers=min(16, len(items)))
-        futures = [submit(pool, fn, x) for x in items]
-        concurrent.futures.wait(futures)
-        for f in futures:
-            f.result()
-    finally:
-        if own is not None:
-            own.shutdown(wait=True)
+__all__ = ["LocalStore"]
 
 
 def _hidden_name(step: int, kind: str) -> str:
@@ -66,137 +36,6 @@ def _hidden_name(step: int, kind: str) -> str:
     or `step_N.old-<hex>` (superseded by a forced replacement)."""
     return f"{fmt.step_name(step)}.{kind}-{os.urandom(6).hex()}"
 
-
-def _remove_tree(path: str) -> None:
-    """Remove the directory `path`, or a file or symlink in its place (a step name a user put a
-    file at), as far as possible: what cannot be removed stays (start-up tries again)."""
-    if os.path.islink(path) or os.path.isfile(path):
-        _unlink_quiet(path)
-    else:
-        shutil.rmtree(path, ignore_errors=True)
-
-
-def _unlink_quiet(path: str) -> None:
-    try:
-        os.unlink(path)
-    except OSError:   # gone already, or not ours to remove: rmtree tries again and ignores it
-        pass
-
-
-def _tree(top: str) -> tuple[list[str], list[str]]:
-    """The directories (`top` first) and the files under `top`: one ``scandir`` per directory
-    (`os.walk` costs several times more per entry). A symlink, even to a directory, is listed as
-    a file; nothing if `top` does not exist; a subdirectory that vanishes or cannot be read
-    raises (unlike `os.walk`): for staging trees, which only this package writes."""
-    dirs, files, todo = [], [], [top]
-    while todo:
-        d = todo.pop()
-        try:
-            with os.scandir(d) as it:
-                for e in it:
-                    (todo if e.is_dir(follow_symlinks=False) else files).append(e.path)
-        except FileNotFoundError:
-            if d == top:
-                return [], []
-            raise
-        dirs.append(d)
-    return dirs, files
-
-
-_DIRECT_FS = {"ext2", "ext3", "ext4", "xfs", "btrfs", "f2fs", "bcachefs"}   # local block devices
-_MEMORY_FS = {"tmpfs", "ramfs"}   # their page cache is the storage: mapping a file reads nothing
-
-
-def _fs_type(path: str, mounts: str = "/proc/self/mounts") -> str:
-    """The type of the file system holding `path` (or its nearest existing parent): the longest
-    mount point above it in `mounts`, the later of equal ones ("" where that is not readable,
-    e.g. not Linux)."""
-    target = os.fsencode(os.path.realpath(path))
-    try:
-        with open(mounts, "rb") as f:
-            entries = [line.split()[1:3] for line in f]
-    except OSError:
-        return ""
-    best, kind = b"", ""
-    for point, fs in (e for e in entries if len(e) == 2):
-        point = re.sub(rb"\\([0-7]{3})", lambda m: bytes([int(m.group(1), 8)]), point)   # "\040" is a space
-        if (target == point or target.startswith(point.rstrip(b"/") + b"/")) and len(point) >= len(best):
-            best, kind = point, os.fsdecode(fs)
-    return kind
-
-
-def open_file(path: str):
-    """`path` opened for reading in binary mode, refused (OSError EINVAL; a directory: EISDIR)
-    unless it is a regular file: a FIFO or device in a checkpoint file's place would block a
-    reader in open() forever (hence O_NONBLOCK, which regular files ignore)."""
-    f = open(path, "rb", opener=lambda p, flags: os.open(p, flags | os.O_NONBLOCK))
-    if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-        f.close()
-        raise OSError(errno.EINVAL, "not a regular file", path)
-    return f
-
-
-def _fsync_path(path: str, directory: bool = False) -> None:
-    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
-    try:
-        os.fsync(fd)  # an error here aborts the save: never retried (fsyncgate)
-    finally:
-        os.close(fd)
-
-
-# A directory whose entries changed less than this long before it was stamped is not stamped:
-# file systems take timestamps from a clock that advances by ticks (1-10 ms), so a later change
-# in the same tick could leave its mtime as it was.
-_STAMP_MARGIN_NS = 100_000_000
-
-
-def _stamp(path: str):
-    """What changes when an entry of directory `path` is added, removed or renamed (None if gone)."""
-    try:
-        st = os.lstat(path)
-    except OSError:
-        return None
-    return st.st_ino, st.st_mtime_ns, st.st_ctime_ns
-
-
-def _dir_stamps(top: str, dirs: list[str]) -> dict:
-    """{path relative to `top`: `_stamp`} for the directories under `top` (`dirs` from `_tree`,
-    `top` first and left out: it is renamed, and always fsynced) last changed at least
-    `_STAMP_MARGIN_NS` ago. `publish` of a reused tree fsyncs only the directories whose stamp
-    differs: POSIX updates a directory's mtime and ctime with every entry added, removed or
-    renamed, so an equal stamp means the same entries as at the commit that made them durable."""
-    now = time.time_ns()
-    out = {}
-    for d in dirs[1:]:
-        st = _stamp(d)
-        if st is not None and now - max(st[1], st[2]) >= _STAMP_MARGIN_NS:
-            out[d[len(top) + 1:]] = st
-    return out
-
-
-def _exchange(a: str, b: str) -> bool:
-    """Swap two existing paths in one atomic step (Linux ``renameat2`` with ``RENAME_EXCHANGE``);
-    False where the C library or the file system has no such call."""
-    fn = _renameat2()
-    if fn is None:
-        return False
-    if fn(-100, os.fsencode(a), -100, os.fsencode(b), 2) == 0:   # AT_FDCWD, RENAME_EXCHANGE
-        return True
-    err = ctypes.get_errno()
-    if err in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EPERM):
-        return False
-    raise OSError(err, os.strerror(err), a)
-
-
-@functools.lru_cache(maxsize=1)
-def _renameat2():
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).renameat2
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = (ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint)
-    fn.restype = ctypes.c_int
-    return fn
 
 
 class LocalStore(Store):
@@ -210,9 +49,9 @@ class LocalStore(Store):
         # on a local disk, page-aligned chunk buffers are written with O_DIRECT (chunkwrite); not on
         # a memory file system (tmpfs: its page cache is the storage), nor over a network or FUSE,
         # where direct I/O means a synchronous round trip per write, or is refused
-        kind = _fs_type(self.root)
-        self.direct_io = hasattr(os, "O_DIRECT") and kind in _DIRECT_FS
-        self.in_memory = kind in _MEMORY_FS
+        kind = localfs.fs_type(self.root)
+        self.direct_io = hasattr(os, "O_DIRECT") and kind in localfs.DIRECT_FS
+        self.in_memory = kind in localfs.MEMORY_FS
         self._kept: list[str] = []              # hidden (.del-) step directories kept for reuse
         self._pool: dict[int, list[str]] = {}   # their chunk and blob files by size
         self._inplace: dict[str, int] = {}      # chunk files of a kept directory made staging: size
@@ -231,13 +70,13 @@ class LocalStore(Store):
         # it as a no-op (the kernel's noop_fsync). Skipping it spares a save an open, an fsync and
         # a close per file and directory, and the thread-pool round trips that spread them.
         if not self.in_memory:
-            _fsync_path(path, directory)
+            localfs.fsync_path(path, directory)
 
     def write(self, rel: str, data, sync: bool = True) -> None:
         """Write bytes, or a list of buffers one after another; fsync the file unless ``sync=False``."""
         p = self.path(rel)
         os.makedirs(os.path.dirname(p), exist_ok=True)
-        _unlink_quiet(p)   # a file there (a reused staging directory) may be hard-linked elsewhere
+        localfs.unlink_quiet(p)   # a file there (a reused staging directory) may be hard-linked elsewhere
         with open(p, "wb") as f:
             for part in (data if isinstance(data, list) else [data]):
                 f.write(part)
@@ -247,7 +86,7 @@ class LocalStore(Store):
 
     def read(self, rel: str) -> bytes:
         try:
-            with open_file(self.path(rel)) as f:
+            with localfs.open_file(self.path(rel)) as f:
                 return f.read()
         except FileNotFoundError:
             raise CheckpointNotFoundError(f"{self.path(rel)} does not exist") from None
@@ -298,7 +137,7 @@ class LocalStore(Store):
                 self._inplace.update((new + p[len(old):], size) for p in mine)
             self._reused.add(rel)
         # a staging directory holds no manifest before its own (written last, before the rename)
-        _unlink_quiet(self.path(f"{rel}/{fmt.MANIFEST}"))
+        localfs.unlink_quiet(self.path(f"{rel}/{fmt.MANIFEST}"))
         return True
 
     def holds(self, rel: str, data: bytes) -> bool:
@@ -322,11 +161,11 @@ class LocalStore(Store):
             if last:
                 self._forget(staging)
         top = self.path(staging)
-        dirs, files = _tree(top)
+        dirs, files = localfs.tree(top)
         under = tuple(k for k in keep if k.endswith("/"))
-        n = len(top) + 1   # `_tree` names every file `top` + os.sep + its relative path
+        n = len(top) + 1   # `localfs.tree` names every file `top` + os.sep + its relative path
         stale = [f for f in files if (rel := f[n:]) not in keep and not rel.startswith(under)]
-        _each(_unlink_quiet, stale, pool)
+        localfs.each(localfs.unlink_quiet, stale, pool)
         if stale:   # deepest first; a directory still holding this save's files stays
             for d in sorted(dirs[1:], key=lambda d: d.count(os.sep), reverse=True):
                 try:
@@ -362,38 +201,38 @@ class LocalStore(Store):
             if os.path.isfile(top):
                 files.append(top)
             else:
-                files += _tree(top)[1]
+                files += localfs.tree(top)[1]
         files = [f for f in files if f not in skip]
 
         def one(path):
             try:
-                _fsync_path(path)
+                localfs.fsync_path(path)
             except FileNotFoundError:  # another process's temporary file, renamed meanwhile
                 pass
 
-        _each(one, files, pool)   # re-raises the first failure: the save aborts
+        localfs.each(one, files, pool)   # re-raises the first failure: the save aborts
 
     def publish(self, staging: str, step: int, replace: bool = False, pool=None) -> None:
         final = self.path(fmt.step_name(step))
         # every directory of the staging tree (the writers fsynced their own files); on a file
         # system without a journal each is a synchronous metadata write: several at once. Of a
         # reused tree (`begin` with reuse_tree), not the directories whose entries are as they
-        # were when their step was deleted: durable since that step's commit (`_dir_stamps`).
+        # were when their step was deleted: durable since that step's commit (`localfs.dir_stamps`).
         with self._pool_lock:
             stamps = self._stamps.pop(staging, {})
         if not self.in_memory:   # see `_fsync`
             top = self.path(staging)
-            dirs = _tree(top)[0]
+            dirs = localfs.tree(top)[0]
             if stamps:
-                dirs = [top] + [d for d in dirs[1:] if stamps.get(d[len(top) + 1:]) != _stamp(d)]
-            _each(lambda d: _fsync_path(d, directory=True), dirs, pool)
+                dirs = [top] + [d for d in dirs[1:] if stamps.get(d[len(top) + 1:]) != localfs.stamp(d)]
+            localfs.each(lambda d: localfs.fsync_path(d, directory=True), dirs, pool)
         old = None
         if os.path.exists(final):
             if not replace:
                 raise CheckpointError(f"{final} already exists")
-            if _exchange(self.path(staging), final):   # one atomic step: readers never miss the step
+            if localfs.exchange(self.path(staging), final):   # one atomic step: readers never miss the step
                 self._fsync(self.root, directory=True)
-                _remove_tree(self.path(staging))   # the old copy (a leftover if we die)
+                localfs.remove_tree(self.path(staging))   # the old copy (a leftover if we die)
                 return
             # `.old-`, not `.del-`: if we die before the next rename, `recover` puts it back
             old = _hidden_name(step, "old")
@@ -401,7 +240,7 @@ class LocalStore(Store):
         os.rename(self.path(staging), final)
         self._fsync(self.root, directory=True)
         if old:
-            _remove_tree(self.path(old))
+            localfs.remove_tree(self.path(old))
 
     def recover(self) -> list[int]:
         """At start-up, before leftovers are removed: put back a step whose forced replacement
@@ -427,7 +266,7 @@ class LocalStore(Store):
         if old:
             self._fsync(self.root, directory=True)   # durable before `step_N` goes
         for new in gone:
-            _remove_tree(self.path(new))
+            localfs.remove_tree(self.path(new))
         hidden = _hidden_name(step, "del")
         try:
             os.rename(self.path(fmt.step_name(step)), self.path(hidden))
@@ -435,7 +274,7 @@ class LocalStore(Store):
             return
         self._fsync(self.root, directory=True)
         if not reuse:
-            _remove_tree(self.path(hidden))
+            localfs.remove_tree(self.path(hidden))
             return
         # Kept for the next save to overwrite in place: the page cache pages (and on disk, the
         # blocks) are neither freed now nor allocated again then. Only plain chunk and blob files.
@@ -445,14 +284,14 @@ class LocalStore(Store):
         # chunk files out, unsynced; its stamp then differs and `publish` fsyncs that directory).
         found = []
         reusable = (self.path(f"{hidden}/arrays") + os.sep, self.path(f"{hidden}/blobs") + os.sep)
-        dirs, files = _tree(self.path(hidden))
+        dirs, files = localfs.tree(self.path(hidden))
         for path in files:
             if not path.startswith(reusable) or os.path.basename(path) == "zarr.json":
                 continue
             st = os.lstat(path)
             if stat.S_ISREG(st.st_mode) and st.st_nlink == 1:
                 found.append((st.st_size, path))
-        stamps = _dir_stamps(self.path(hidden), dirs) if self.direct_io else {}
+        stamps = localfs.dir_stamps(self.path(hidden), dirs) if self.direct_io else {}
         with self._pool_lock:
             self._kept.append(hidden)
             self._stamps[hidden] = stamps
@@ -503,13 +342,13 @@ class LocalStore(Store):
         files = []
         for hidden in kept:
             try:
-                files += _tree(self.path(hidden))[1]
+                files += localfs.tree(self.path(hidden))[1]
             except OSError:   # (only ours write there) rmtree below removes what is left
                 pass
         # unlinks first, several at once: with `discard` each one waits for the device
-        _each(_unlink_quiet, files, pool)
+        localfs.each(localfs.unlink_quiet, files, pool)
         for hidden in kept:
-            _remove_tree(self.path(hidden))
+            localfs.remove_tree(self.path(hidden))
 
     def leftovers(self) -> list[str]:
         try:
@@ -520,7 +359,7 @@ class LocalStore(Store):
     def remove(self, name: str) -> None:
         if not fmt.STAGING_RE.match(name):
             raise ValueError(f"refusing to remove {name!r}: not a name ckpt_callbacks creates")
-        _remove_tree(self.path(name))
+        localfs.remove_tree(self.path(name))
 
     def size(self, step: int) -> int | None:
         total = 0

@@ -41,7 +41,7 @@ import numpy as np
 import tensorstore as ts
 
 from . import format as fmt
-from . import chunkread, layout, localstore, targets, treepath
+from . import chunkread, layout, localfs, targets, treepath
 from .errors import (CheckpointNotFoundError, CorruptCheckpointError, IncompatibleCheckpointError,
                      StorageUnavailableError, read_failure)
 from .storage import Store, submit
@@ -140,7 +140,7 @@ class leaf_reader:
             buf = chunkread.aligned_empty((len(data),), np.uint8)
             buf[:] = np.frombuffer(data, np.uint8)
             return buf
-        with localstore.open_file(self.store.path(rel)) as f:
+        with localfs.open_file(self.store.path(rel)) as f:
             size = os.fstat(f.fileno()).st_size
             buf = chunkread.aligned_empty((size,), np.uint8)
             if f.readinto(memoryview(buf)) != size:
@@ -175,7 +175,7 @@ class leaf_reader:
         if self.store.local:   # tensorstore would wait forever in open() on a FIFO there
             meta = self.store.path(f"{self.base}/{rec['z']}/zarr.json")
             try:
-                localstore.open_file(meta).close()
+                localfs.open_file(meta).close()
             except (OSError, ValueError) as e:   # (FileNotFoundError: tensorstore says it below)
                 if not isinstance(e, FileNotFoundError):
                     raise read_failure(e, where, f"{rec['z']}/zarr.json", str(e),

@@ -246,11 +246,11 @@ def test_interrupted_forced_replacement_puts_the_old_step_back(ckdir):
 def test_a_forced_replacement_swaps_the_step_in_one_step_where_the_system_can(ckdir, monkeypatch):
     """With two renames, a reader (or a crash) between them saw the step missing: the latest
     step went back for readers until a writer put the old copy back."""
-    from ckpt_callbacks import localstore
+    from ckpt_callbacks import localfs, localstore
     probe = [os.path.join(os.path.dirname(ckdir), n) for n in ("xa", "xb")]
     for p in probe:
         os.makedirs(p)
-    exchanges = localstore._exchange(*probe)   # (not on every file system, nor with every C library)
+    exchanges = localfs.exchange(*probe)   # (not on every file system, nor with every C library)
     renames = []
     real = os.rename
     monkeypatch.setattr(localstore.os, "rename", lambda a, b: renames.append(b) or real(a, b))
@@ -260,7 +260,7 @@ def test_a_forced_replacement_swaps_the_step_in_one_step_where_the_system_can(ck
         m.wait_until_finished()
         assert bool([b for b in renames if ".old-" in b]) == (not exchanges)
         np.testing.assert_array_equal(m.restore(3)["x"], np.zeros(4, np.float32))
-        monkeypatch.setattr(localstore, "_exchange", lambda a, b: False)   # no renameat2: two renames
+        monkeypatch.setattr(localfs, "exchange", lambda a, b: False)   # no renameat2: two renames
         m.save(3, tree(3), force=True)
         m.wait_until_finished()
         assert [b for b in renames if ".old-" in b]
@@ -393,11 +393,11 @@ def test_a_save_into_a_reused_directory_fsyncs_exactly_the_directories_whose_ent
     """On a disk, save k + 3 is written into the directory of step k (KeepLast(2)). A directory
     whose entries are those step k committed is durable already and is not fsynced again; every
     directory that gained, lost or replaced an entry is. Save 5 also drops a leaf and adds one."""
-    from ckpt_callbacks import localstore
+    from ckpt_callbacks import localfs
     skip_without_direct_io(ckdir)
     synced = []
-    real = localstore._fsync_path
-    monkeypatch.setattr(localstore, "_fsync_path", lambda p, directory=False: (
+    real = localfs.fsync_path
+    monkeypatch.setattr(localfs, "fsync_path", lambda p, directory=False: (
         synced.append(p) if directory else None, real(p, directory))[1])
     m = cc.CheckpointManager(ckdir, retention=cc.KeepLast(2))
     m.store.direct_io, m.store.in_memory = True, False   # as LocalStore decides on a disk
@@ -414,7 +414,7 @@ def test_a_save_into_a_reused_directory_fsyncs_exactly_the_directories_whose_ent
         committed[k] = _listing(top)
         staging = [os.path.relpath(p, ckdir).split("/", 1) for p in synced if ".tmp-" in p]
         fsynced = {(rest[1] if len(rest) > 1 else ".") for rest in staging}
-        time.sleep(0.15)   # beyond localstore._STAMP_MARGIN_NS: a directory changed just now is always fsynced
+        time.sleep(0.15)   # beyond localfs.STAMP_MARGIN_NS: a directory changed just now is always fsynced
         if k <= 3:   # a new directory: every one of its directories
             assert fsynced == set(committed[k]), k
             continue

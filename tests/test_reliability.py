@@ -348,12 +348,12 @@ def test_unreadable_chunk_falls_back_only_when_the_data_is_bad(ckdir, monkeypatc
 @pytest.mark.parametrize("err,expected", [(errno.EACCES, cc.StorageUnavailableError),
                                           (errno.EIO, cc.CorruptCheckpointError)])
 def test_unreadable_manifest_is_unavailable_storage_or_damage_by_its_errno(ckdir, monkeypatch, err, expected):
-    from ckpt_callbacks import localstore
+    from ckpt_callbacks import localfs
     with cc.CheckpointManager(ckdir) as m:
         for s in (1, 2):
             m.save(s, {"x": np.full(4, s)})
 
-    monkeypatch.setattr(localstore, "open", _failing(open, os.path.join(fmt.step_name(2), fmt.MANIFEST), err),
+    monkeypatch.setattr(localfs, "open", _failing(open, os.path.join(fmt.step_name(2), fmt.MANIFEST), err),
                         raising=False)
     _falls_back_or_unavailable(ckdir, "x", expected is cc.CorruptCheckpointError, "step_0000000002")
 

@@ -12,7 +12,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 import ckpt_callbacks as cc
-from ckpt_callbacks import chunkread, localstore
+from ckpt_callbacks import chunkread, localfs
 from ckpt_callbacks import restore as restore_mod
 from ckpt_callbacks.storage import open_store
 from helpers import DTYPES, Pair, State, assert_tree_equal, bytes_read, np_dtype, random_array
@@ -96,7 +96,7 @@ def storage_dir(request, tmp_path):
     if request.param == "disk":
         yield tmp_path
         return
-    if localstore._fs_type("/dev/shm") not in localstore._MEMORY_FS or not os.access("/dev/shm", os.W_OK):
+    if localfs.fs_type("/dev/shm") not in localfs.MEMORY_FS or not os.access("/dev/shm", os.W_OK):
         pytest.skip("no writable tmpfs at /dev/shm")
     d = tempfile.mkdtemp(prefix="ckpt-test-", dir="/dev/shm")
     try:

@@ -22,7 +22,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import ckpt_callbacks as cc
-from ckpt_callbacks import layout, localstore, objectstore, snapshot, storage, writing
+from ckpt_callbacks import layout, localfs, localstore, objectstore, snapshot, storage, writing
 from ckpt_callbacks.storage import open_store
 from helpers import assert_tree_equal
 from objstore import SECRETS, gcs_server, objstore, objstore_env, s3_server  # noqa: F401 (fixtures)
@@ -549,25 +549,6 @@ def test_kept_files_nobody_claimed_are_deleted_on_the_pool_given(tmp_path):
     assert os.listdir(store.root) == []
 
 
-def test_the_file_system_under_a_directory_is_read_from_the_mounts(tmp_path):
-    mounts = tmp_path / "mounts"
-    mounts.write_bytes(b"""/dev/vda / ext4 rw,discard 0 0
-tmpfs /dev/shm tmpfs rw 0 0
-broken-line-without-fields
-/dev/vdb /data xfs rw 0 0
-server:/x /data/nfs nfs4 rw 0 0
-tmpfs /data/nfs tmpfs rw 0 0
-/dev/vdc /data/my\\040disk ext4 rw 0 0
-/dev/vdd /data/my xfs rw 0 0
-""")
-    kind = lambda p: localstore._fs_type(p, str(mounts))   # noqa: E731
-    assert kind("/dev/shm/run") == "tmpfs" and kind("/dev/shmx/run") == "ext4"   # a prefix is not a parent
-    assert kind("/data/ck/not yet") == "xfs" and kind("/data") == "xfs"
-    assert kind("/data/nfs/ck") == "tmpfs"               # mounted over: the later entry
-    assert kind("/data/my disk/ck") == "ext4" and kind("/data/my/ck") == "xfs"   # "\\040" is a space
-    assert localstore._fs_type("/x", str(tmp_path / "none")) == ""
-
-
 def test_a_local_store_bypasses_the_page_cache_only_on_a_local_disk_and_maps_only_on_a_memory_one(tmp_path):
     mnt = tmp_path / "a tmpfs"          # /proc/self/mounts writes the space as \040
     mnt.mkdir()
@@ -575,35 +556,15 @@ def test_a_local_store_bypasses_the_page_cache_only_on_a_local_disk_and_maps_onl
     if r.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
     try:
-        assert localstore._fs_type(str(mnt / "ck" / "not yet")) == "tmpfs"
+        assert localfs.fs_type(str(mnt / "ck" / "not yet")) == "tmpfs"
         assert open_store(str(mnt / "ck")).direct_io is False
         assert open_store(str(mnt / "ck")).in_memory is True
-        beside = localstore._fs_type(str(tmp_path / "ck"))
-        assert beside and beside == localstore._fs_type(str(tmp_path))   # (ck does not exist yet)
-        assert open_store(str(tmp_path / "ck")).direct_io is (beside in localstore._DIRECT_FS)
-        assert open_store(str(tmp_path / "ck")).in_memory is (beside in localstore._MEMORY_FS)
+        beside = localfs.fs_type(str(tmp_path / "ck"))
+        assert beside and beside == localfs.fs_type(str(tmp_path))   # (ck does not exist yet)
+        assert open_store(str(tmp_path / "ck")).direct_io is (beside in localfs.DIRECT_FS)
+        assert open_store(str(tmp_path / "ck")).in_memory is (beside in localfs.MEMORY_FS)
     finally:
         subprocess.run(["umount", "-l", str(mnt)], check=False)
-
-
-def test_a_directory_is_stamped_only_when_its_entries_last_changed_beyond_the_margin(tmp_path):
-    """`publish` of a reused tree skips the fsync of a directory whose stamp is unchanged: only
-    directories last changed long enough ago get a stamp (a clock tick could hide a change made
-    in the same tick), and adding an entry changes the stamp."""
-    import time
-    top, sub = tmp_path / "step", tmp_path / "step" / "arrays"
-    sub.mkdir(parents=True)
-    (sub / "a").write_bytes(b"x")
-    assert localstore._dir_stamps(str(top), [str(top), str(sub)]) == {}          # changed just now
-    time.sleep(localstore._STAMP_MARGIN_NS / 1e9 + 0.05)
-    stamps = localstore._dir_stamps(str(top), [str(top), str(sub)])
-    assert list(stamps) == ["arrays"] and stamps["arrays"] == localstore._stamp(str(sub))
-    (sub / "a").write_bytes(b"y")                     # a file's bytes: the directory is as it was
-    assert localstore._stamp(str(sub)) == stamps["arrays"]
-    (sub / "b").write_bytes(b"z")                     # a new entry
-    assert localstore._stamp(str(sub)) != stamps["arrays"]
-    os.unlink(sub / "b")
-    assert localstore._stamp(str(sub)) != stamps["arrays"]
 
 
 def test_an_outage_of_the_test_servers_refuses_new_connections(s3_server):
@@ -622,7 +583,7 @@ def test_deleting_a_step_never_leaves_its_replaced_copy_to_be_put_back(tmp_path,
     with cc.CheckpointManager(store.root) as m:
         m.save(1, {"a": np.ones(3)})
     os.makedirs(store.path("step_0000000001.old-0123456789ab/arrays"))
-    monkeypatch.setattr(localstore.shutil, "rmtree", lambda *a, **k: None)   # nothing can be removed
+    monkeypatch.setattr(localfs.shutil, "rmtree", lambda *a, **k: None)   # nothing can be removed
     store.delete(1)
     assert store.recoverable() == {} and store.committed_steps() == []
     assert store.recover() == [] and store.committed_steps() == []

@@ -15,7 +15,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import ckpt_callbacks as cc
-from ckpt_callbacks import chunkwrite, localstore, localwrite, storage
+from ckpt_callbacks import chunkwrite, localfs, localstore, localwrite, storage
 from helpers import assert_tree_equal, skip_without_direct_io
 
 
@@ -277,7 +277,7 @@ def test_background_failure_surfaces_on_next_call_and_nothing_partial_is_listed(
 
 
 def test_failed_fsync_aborts_and_is_not_retried(ckdir, monkeypatch):
-    monkeypatch.setattr(localstore, "_MEMORY_FS", frozenset())   # a disk's fsyncs, also where tmp_path is a tmpfs
+    monkeypatch.setattr(localfs, "MEMORY_FS", frozenset())   # a disk's fsyncs, also where tmp_path is a tmpfs
     calls = []
     real = os.fsync
 
@@ -320,7 +320,7 @@ def test_one_save_in_flight(ckdir):
 
 @pytest.mark.usefixtures("zarr_above_1mib")
 def test_commit_is_atomic_rename_with_fsyncs(ckdir, monkeypatch):
-    monkeypatch.setattr(localstore, "_MEMORY_FS", frozenset())   # a disk's fsyncs, also where tmp_path is a tmpfs
+    monkeypatch.setattr(localfs, "MEMORY_FS", frozenset())   # a disk's fsyncs, also where tmp_path is a tmpfs
     synced, renamed = [], []
     real_fsync, real_rename = os.fsync, os.rename
 
@@ -673,7 +673,7 @@ def test_a_deleted_steps_directory_becomes_the_next_saves_and_is_overwritten_in_
         for name in ("write", "sync"):
             real = getattr(store, name)
             monkeypatch.setattr(store, name, lambda rel, *a, _real=real, **k: (touched.append(rel), _real(rel, *a, **k))[1])
-        monkeypatch.setattr(localstore, "_fsync_path", lambda p, *a, _real=localstore._fsync_path, **k: (touched.append(p), _real(p, *a, **k))[1])
+        monkeypatch.setattr(localfs, "fsync_path", lambda p, *a, _real=localfs.fsync_path, **k: (touched.append(p), _real(p, *a, **k))[1])
         _save_reusing(store, 3, _tree_a(3), workers)
     finally:
         workers.close()
