@@ -15,6 +15,7 @@ dtypes or versions, absurd shapes, oversized or nested-bomb msgpack) before anyt
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 
@@ -70,6 +71,14 @@ def crc32c(data, crc: int = 0) -> int:
 
 
 def dtype_name(dtype) -> str:
+    try:
+        return _dtype_name(dtype)   # (once per dtype: numpy's name lookup is ~10 us, per leaf)
+    except TypeError:   # unhashable
+        return np.dtype(dtype).name
+
+
+@functools.lru_cache(maxsize=512)
+def _dtype_name(dtype) -> str:
     return np.dtype(dtype).name
 
 
