@@ -348,7 +348,8 @@ class AsyncCheckpoint(keras.callbacks.Callback):
     # -- hooks --------------------------------------------------------------------------------
     def on_epoch_begin(self, epoch, logs=None):
         skip = 0
-        if self._resume_at is not None and self._resume_at[0] == epoch:
+        if self._resume_at is not None:
+            self._check_resumed_epoch(epoch)
             skip = self._resume_at[1]
         self._resume_at = None
         self._epoch, self._batch, self._skip = epoch, skip, skip
@@ -371,6 +372,27 @@ class AsyncCheckpoint(keras.callbacks.Callback):
             self._epoch_end = int(self.data.dataset.num_batches)
         else:
             self._epoch_end = skip + int(steps) if steps else None
+
+    def _check_resumed_epoch(self, epoch: int) -> None:
+        """The first epoch of a resumed fit() must be the one the restored step continues in. A
+        callback listed after this one that sets ``model._initial_epoch`` too (Keras'
+        `BackupAndRestore`, which also loads its own weights) or ``fit(initial_epoch=...)`` with a
+        step inside epoch 1 (Keras takes a 0 as unset) would otherwise train on from a mix: the
+        model at one epoch, the step numbers, RNGs and data position at another."""
+        want = self._resume_at[0]
+        if epoch == want:
+            return
+        self._resume_at = None
+        self._undo_initial_epoch()
+        self._close(raise_errors=False)   # (Keras calls no on_train_end after this)
+        raise ConfigError(
+            f"AsyncCheckpoint: resumed from step {self.resumed_step} in {self.manager.store.url}, which continues "
+            f"in epoch {want + 1}, but fit() began epoch {epoch + 1}: something else set where fit() starts "
+            f"after this callback's on_train_begin (a callback listed after it, e.g. Keras' BackupAndRestore, "
+            f"which also loads its own weights over the restored ones; or fit(initial_epoch={epoch}), which "
+            f"Keras uses when the step is inside epoch 1). Training on would mix two states. Fix: drop "
+            f"BackupAndRestore (AsyncCheckpoint restores everything it does) or list AsyncCheckpoint after it, "
+            f"and drop initial_epoch=.")
 
     def on_train_batch_begin(self, batch, logs=None):
         # `batch` is the first step of this call: every step before it has run

@@ -8,6 +8,7 @@ import gc
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -267,6 +268,30 @@ def test_two_async_checkpoints_in_one_fit_are_refused_before_the_second_opens_an
     cb = AsyncCheckpoint(ckdir)
     _model().fit(x, y, batch_size=16, epochs=3, verbose=0, callbacks=[cb])
     assert cb.resumed_step == 8 and cb.manager.all_steps() == [4, 8, 12]
+
+
+def test_a_resumed_fit_that_another_callback_moves_to_another_epoch_is_refused(ckdir, tmp_path):
+    """Keras' BackupAndRestore listed after AsyncCheckpoint, its backup ahead of the last committed
+    step (a kill before the save committed): it loaded its weights over the restored ones and set
+    another first epoch, and fit() trained on from that mix, its saves numbered from the older step."""
+    x, y, _ = _data()
+    backup = str(tmp_path / "backup")
+    model = _model()
+    model.fit(x, y, batch_size=16, epochs=3, verbose=0,
+              callbacks=[AsyncCheckpoint(ckdir), keras.callbacks.BackupAndRestore(backup, delete_checkpoint=False)])
+    cc.CheckpointManager(ckdir).close()
+    shutil.rmtree(os.path.join(ckdir, "step_0000000012"))   # the last save had not committed
+    model = _model()
+    cb = AsyncCheckpoint(ckdir)
+    with pytest.raises(cc.ConfigError, match="fit\\(\\) began epoch 4"):
+        model.fit(x, y, batch_size=16, epochs=5, verbose=0,
+                  callbacks=[cb, keras.callbacks.BackupAndRestore(backup, delete_checkpoint=False)])
+    assert cb.resumed_step == 8 and cb.manager._closed and model._initial_epoch is None
+    cb = AsyncCheckpoint(ckdir)   # listed after it, AsyncCheckpoint's restore wins: one consistent state
+    model.fit(x, y, batch_size=16, epochs=4, verbose=0,
+              callbacks=[keras.callbacks.BackupAndRestore(backup, delete_checkpoint=False), cb])
+    assert cb.resumed_step == 8 and cb.manager.all_steps() == [4, 8, 12, 16]
+    assert int(model.optimizer.iterations.numpy()) == 16
 
 
 def test_an_epoch_whose_data_ran_out_before_steps_per_epoch_is_saved_as_ended(ckdir):
