@@ -98,6 +98,11 @@ def step_infos(mngr) -> list[StepInfo]:
             except StorageUnavailableError:
                 raise   # says nothing about the step: not remembered as metric-less
             except CheckpointError as e:
+                if s not in mngr.store.committed_steps() or local_token(mngr, s) != token:
+                    # deleted (the writer's retention, on its thread) or replaced while read: not
+                    # damage; a replaced step is read again next time
+                    mngr._info_tokens.pop(s, None)
+                    continue
                 # damaged: listed, never ranked, never deleted by retention (its metrics are
                 # unknown: it may be the best), as `ckpt-callbacks gc` does; read again next time
                 if s not in mngr._damaged:

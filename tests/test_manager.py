@@ -852,6 +852,27 @@ def test_a_readers_metrics_follow_a_forced_replacement(ckdir):
     assert reader.best_step() == 6
 
 
+def test_a_step_that_retention_deletes_while_its_metrics_are_read_is_gone_not_damaged(ckdir, monkeypatch, caplog):
+    # metrics(prev) right after an async save whose retention deletes prev: the step went, so
+    # None, as for any step not committed; no CorruptCheckpointError, no "run verify" warning
+    from ckpt_callbacks import retain
+    with cc.CheckpointManager(ckdir) as m:
+        for s in (1, 2):
+            m.save(s, tree(s), metrics={"loss": 1.0 / s})
+    reader = cc.CheckpointManager(ckdir, read_only=True, retention=cc.KeepBest("loss"))
+    real = retain.restore_mod.read_manifest
+
+    def deleted_first(store, step):
+        if step == 1:
+            store.delete(1)   # as the writer's retention does, on its thread
+        return real(store, step)
+    monkeypatch.setattr(retain.restore_mod, "read_manifest", deleted_first)
+    with caplog.at_level(logging.WARNING, "ckpt_callbacks"):
+        assert reader.metrics(1) is None
+        assert reader.best_step() == 2 and reader.metrics(2) == {"loss": 0.5}
+    assert not [r for r in caplog.records if "cannot read its manifest" in r.getMessage()]
+
+
 def test_a_failed_save_is_raised_by_the_next_save_even_when_that_one_is_not_due(ckdir, monkeypatch):
     import ckpt_callbacks.manager as mm
 
