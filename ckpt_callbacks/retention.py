@@ -151,10 +151,10 @@ class KeepBest(Policy):
         object.__setattr__(self, "n", _positive("keep_best.n", self.n))
 
     def rank(self, infos: Sequence[StepInfo]) -> list[int]:
-        """Steps that reported the metric, best first."""
+        """Steps that reported the metric, best first (ints compared exactly, never via float)."""
         def key(i):
-            v = float(i.metrics[self.metric])
-            if math.isnan(v):
+            v = i.metrics[self.metric]
+            if isinstance(v, float) and math.isnan(v):
                 return (1, 0.0, -i.step)
             return (0, v if self.mode == "min" else -v, -i.step)
         cands = [i for i in infos if has_number(i.metrics, self.metric)]
@@ -176,7 +176,7 @@ class KeepBestBeyond(KeepBest):
     def rank(self, infos):
         ok = (lambda v: v < self.threshold) if self.mode == "min" else (lambda v: v > self.threshold)
         by_step = {i.step: i for i in infos}
-        return [s for s in super().rank(infos) if ok(float(by_step[s].metrics[self.metric]))]
+        return [s for s in super().rank(infos) if ok(by_step[s].metrics[self.metric])]
 
 
 def has_number(metrics, name) -> bool:

@@ -43,6 +43,17 @@ def test_best_ties_go_to_newer_step():
     assert p.rank(infos([1, 2, 3], {1: 0.5, 2: 0.5, 3: 0.7})) == [2, 1, 3]
 
 
+def test_best_ranks_int_metrics_exactly_not_through_float():
+    # ints are stored exactly (64 bits); 2**53 + 1 and 2**53 are one float, which made a tie that
+    # the newer, worse step won
+    big = [StepInfo(1, metrics={"tokens": 2**53 + 1}), StepInfo(2, metrics={"tokens": 2**53}),
+           StepInfo(3, metrics={"tokens": 2**63 - 1}), StepInfo(4, metrics={"tokens": 2**63 - 2})]
+    assert cc.KeepBest("tokens", "max", 1).rank(big[:2]) == [1, 2]
+    assert cc.KeepBest("tokens", "min", 1).rank(big[:2]) == [2, 1]
+    assert cc.KeepBest("tokens", "min", 4).rank(big) == [2, 1, 4, 3]
+    assert sorted(decide([cc.KeepBest("tokens", "max", 1)], big[:2] + [StepInfo(5)])) == [1, 5]
+
+
 step_sets = st.lists(st.integers(0, 10_000), min_size=1, max_size=40, unique=True)
 metric_values = st.one_of(st.none(), st.floats(allow_nan=True, allow_infinity=True))
 policy_st = st.lists(st.one_of(
