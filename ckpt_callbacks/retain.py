@@ -88,9 +88,11 @@ def step_infos(mngr) -> list[StepInfo]:
     steps = mngr.store.committed_steps()
     for s in steps:
         token = local_token(mngr, s)
-        if s in mngr._infos and mngr._info_tokens.get(s) != token:
-            del mngr._infos[s]
-        if s not in mngr._infos:
+        if mngr._info_tokens.get(s) != token:
+            mngr._infos.pop(s, None)   # (background retention may drop it meanwhile)
+        for _ in range(2):   # once more where the step was replaced while it was read
+            if s in mngr._infos:
+                break
             mngr._info_tokens[s] = token
             try:
                 m = restore_mod.read_manifest(mngr.store, s)
@@ -98,10 +100,11 @@ def step_infos(mngr) -> list[StepInfo]:
             except StorageUnavailableError:
                 raise   # says nothing about the step: not remembered as metric-less
             except CheckpointError as e:
-                if s not in mngr.store.committed_steps() or local_token(mngr, s) != token:
-                    # deleted (the writer's retention, on its thread) or replaced while read: not
-                    # damage; a replaced step is read again next time
+                if s not in mngr.store.committed_steps():   # deleted while read (the writer's retention)
                     mngr._info_tokens.pop(s, None)
+                    break
+                if (now := local_token(mngr, s)) != token:   # replaced while read (a forced save)
+                    token = now
                     continue
                 # damaged: listed, never ranked, never deleted by retention (its metrics are
                 # unknown: it may be the best), as `ckpt-callbacks gc` does; read again next time
@@ -109,7 +112,7 @@ def step_infos(mngr) -> list[StepInfo]:
                     log.warning("ckpt_callbacks: step %d in %s: cannot read its manifest (%s); kept "
                                 "(run `ckpt-callbacks verify`)", s, mngr.store.url, e)
                 mngr._damaged[s] = str(e)
-                continue
+                break
             mngr._damaged.pop(s, None)
     infos = [mngr._infos.get(s) for s in steps]   # background retention may drop a step meanwhile
     return [i for i in infos if i is not None]

@@ -2,6 +2,7 @@
 
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -862,14 +863,22 @@ def test_a_step_that_retention_deletes_while_its_metrics_are_read_is_gone_not_da
     reader = cc.CheckpointManager(ckdir, read_only=True, retention=cc.KeepBest("loss"))
     real = retain.restore_mod.read_manifest
 
+    replaced = []
+
     def deleted_first(store, step):
         if step == 1:
             store.delete(1)   # as the writer's retention does, on its thread
+        if step == 2 and not replaced:   # a forced save replaces it as it is read: read it again
+            replaced.append(step)
+            manifest = os.path.join(ckdir, fmt.step_name(2), "manifest.msgpack")
+            shutil.copy(manifest, manifest + ".new")
+            os.replace(manifest + ".new", manifest)
+            raise cc.CheckpointNotFoundError(f"{manifest} does not exist (simulated)")
         return real(store, step)
     monkeypatch.setattr(retain.restore_mod, "read_manifest", deleted_first)
     with caplog.at_level(logging.WARNING, "ckpt_callbacks"):
-        assert reader.metrics(1) is None
-        assert reader.best_step() == 2 and reader.metrics(2) == {"loss": 0.5}
+        assert reader.metrics(2) == {"loss": 0.5} and replaced   # (this first read meets both)
+        assert reader.metrics(1) is None and reader.best_step() == 2
     assert not [r for r in caplog.records if "cannot read its manifest" in r.getMessage()]
 
 
