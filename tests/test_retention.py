@@ -96,6 +96,8 @@ def test_config_builds_policies():
                                    "keep_every_n_seconds": 3600})
     assert ps == [cc.KeepLast(3), cc.KeepEvery(1000), cc.KeepSteps([5000]), cc.KeepBest("val_loss", "min", 2),
                   cc.KeepEveryNSeconds(3600)]
+    # as docs/concepts.md says: a keep_best without a mode minimizes, whatever the metric's name
+    assert cc.retention_from_config({"keep_best": {"metric": "val_accuracy"}}) == [cc.KeepBest("val_accuracy", "min", 1)]
 
 
 @pytest.mark.parametrize("config, key", [
