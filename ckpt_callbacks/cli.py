@@ -97,7 +97,8 @@ def _steps_list(text: str) -> list[int]:
 
 # -- reading helpers -------------------------------------------------------------------------
 def read_manifests(store, steps):
-    """{step: manifest or the CheckpointError that reading it raised}."""
+    """{step: manifest or the CheckpointError that reading it raised}, in the order of `steps`; a
+    step deleted meanwhile (a live trainer's retention) is left out, not shown as damaged."""
     from .errors import CheckpointError, StorageUnavailableError
     from .restore import read_manifest
     out = {}
@@ -108,6 +109,9 @@ def read_manifests(store, steps):
             raise   # says nothing about the step: never shown as damaged
         except CheckpointError as e:
             out[s] = e
+    if any(not isinstance(m, dict) for m in out.values()):
+        listed = set(store.committed_steps())
+        out = {s: m for s, m in out.items() if isinstance(m, dict) or s in listed}
     return out
 
 
@@ -146,8 +150,8 @@ def _best(manifests: dict, best_arg):
 
 # -- ls --------------------------------------------------------------------------------------
 def cmd_ls(args, store, out) -> int:
-    steps = store.committed_steps()
-    ms = read_manifests(store, steps)
+    ms = read_manifests(store, store.committed_steps())
+    steps = list(ms)
     spec, src, best = _best(ms, args.best)
     rows = []
     for s in steps:

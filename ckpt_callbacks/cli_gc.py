@@ -54,8 +54,8 @@ def cmd_gc(args, store, out) -> int:
         back = store.recoverable()
         if not args.dry_run:
             store.recover()
-        steps = store.committed_steps()
-        ms = read_manifests(store, steps)
+        ms = read_manifests(store, store.committed_steps())
+        steps = list(ms)
         unreadable = [s for s in steps if not isinstance(ms[s], dict)]
         infos = [StepInfo.of_manifest(s, m) for s, m in ms.items() if isinstance(m, dict)]
         bp = best_policy(policies)

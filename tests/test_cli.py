@@ -381,6 +381,30 @@ def test_gc_bad_flag_values_are_usage_errors(ckpt):
     assert open_store(ckpt).committed_steps() == [20, 30, 40]
 
 
+def test_a_step_a_live_trainer_deletes_while_ls_reads_it_is_gone_not_damaged(tmp_path, monkeypatch):
+    # `ls` (and `gc --dry-run`) run next to a training job: its retention may delete a listed step
+    # before the tool reads the manifest; that step went, it is not shown as damaged
+    from ckpt_callbacks import restore
+    d = str(tmp_path / "run")
+    with cc.CheckpointManager(d, retention=cc.KeepBest("loss", "min", 3)) as m:
+        for s in (1, 2, 3):
+            m.save(s, {"w": np.int32(s)}, metrics={"loss": 1.0 / s})
+    real, going = restore.read_manifest, {1}
+
+    def deleted_first(store, step):
+        if step in going:
+            store.delete(step)   # the trainer's retention, in another process
+        return real(store, step)
+    monkeypatch.setattr(restore, "read_manifest", deleted_first)
+    rc, out, _ = run("ls", d, "--json")
+    js = json.loads(out)
+    assert rc == 0 and [r["step"] for r in js["steps"]] == [2, 3] and js["best"]["step"] == 3, out
+    assert all(r["status"] == "committed" for r in js["steps"]), out
+    going.add(2)
+    rc, out, _ = run("gc", d, "--keep-last", "1", "--dry-run")
+    assert rc == 0 and "keeping [3]" in out and "unreadable" not in out and "step 2" not in out, out
+
+
 def test_timeline_writes_self_contained_html(ckpt, tmp_path):
     out_path = str(tmp_path / "t.html")
     rc, out, _ = run("timeline", ckpt, "-o", out_path)
