@@ -221,9 +221,9 @@ class CheckpointHook:
                 raise TypeError(on_steps)
             if isinstance(on_steps, range) and on_steps.step > 0:
                 # kept as is: a range answers `in` at once, however many steps it spans
-                self.on_steps = range(_as_step(on_steps.start), on_steps.stop, on_steps.step)
-                if on_steps:
-                    _as_step(on_steps[-1])
+                for s in (on_steps[0], on_steps[-1]) if on_steps else ():   # its first and last step
+                    _as_step(s)
+                self.on_steps = on_steps
             else:
                 self.on_steps = frozenset(_as_step(s) for s in (on_steps if on_steps is not None else ()))
         except ConfigError as e:
