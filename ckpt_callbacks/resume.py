@@ -49,13 +49,14 @@ def read(mngr, step, target, fallback: bool, coord=None):
     `coord` (a read-only manager's collective restore) or a writing manager's own coordinator."""
     coord = coord if coord is not None or mngr.read_only else mngr.coord
     multi = coord is not None and coord.process_count > 1
+    spans = multi and collective(target)   # every process makes this call
     missing = None
     if step is not None:
         fallback = False
         try:
             candidates = [mngr._resolve(step)]
         except CheckpointNotFoundError as e:   # not listed here
-            if not (multi and collective(target)):
+            if not spans:
                 raise
             # listed on another process (a save committing or retention deleting between the
             # listings): told to them below as a step gone, so that every process raises
@@ -71,7 +72,7 @@ def read(mngr, step, target, fallback: bool, coord=None):
     # while it was read (a save committing meanwhile), is left (or retried) by all of them; a
     # named step too where every process must make the call (arrays that span them), so that no
     # process returns while another raises
-    together = multi and (fallback or step is None or collective(target))
+    together = multi and (fallback or step is None or spans)
     for i, s in enumerate(candidates):
         error = failure = None
         try:
