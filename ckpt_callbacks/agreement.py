@@ -133,6 +133,11 @@ def warn_unranked(mngr, step: int, metrics: dict) -> None:
     for p in mngr.policies or []:
         if isinstance(p, KeepBest) and p.metric not in mngr._warned_unranked and not has_number(metrics, p.metric):
             mngr._warned_unranked.add(p.metric)
+            if p.metric in metrics:   # there, but a str or bool: never a rank
+                v = metrics[p.metric]
+                log.warning("ckpt_callbacks: retention ranks steps by %r (KeepBest), but step %d saved it as a %s "
+                            "(%r), which never ranks: save it as a number.", p.metric, step, type(v).__name__, v)
+                continue
             log.warning("ckpt_callbacks: retention ranks steps by %r (KeepBest), but the metrics saved with step "
                         "%d do not have it (they have: %s): such steps never rank as best. Expected for saves "
                         "without evaluation (e.g. Keras epochs without validation, validation_freq > 1); "

@@ -996,6 +996,16 @@ def test_saved_metrics_without_the_one_keep_best_ranks_by_are_warned_about_once(
     assert "they have: loss, val_acuracy" in said[0]
 
 
+def test_a_keep_best_metric_saved_as_a_str_or_bool_is_warned_about_as_such(ckdir, caplog):
+    """The metric is there but never ranks: the warning said the metrics "do not have it"."""
+    with caplog.at_level(logging.WARNING, "ckpt_callbacks"):
+        with cc.CheckpointManager(ckdir, retention=[cc.KeepLast(1), cc.KeepBest("val_acc", "max")]) as m:
+            for s in (1, 2):
+                m.save(s, tree(s), metrics={"val_acc": True, "loss": 1.0})
+    said = [r.getMessage() for r in caplog.records if "KeepBest" in r.getMessage()]
+    assert len(said) == 1 and "step 1 saved it as a bool (True), which never ranks" in said[0], said
+
+
 def test_a_retention_failure_is_a_checkpoint_error_saying_the_step_was_committed(ckdir, monkeypatch):
     """A step retention cannot delete (e.g. made immutable): the save's own step is committed; the
     failure is a CheckpointError naming the step it tried to delete (it was a raw PermissionError)."""
