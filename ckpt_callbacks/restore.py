@@ -48,7 +48,7 @@ from .storage import Store, submit
 
 log = logging.getLogger("ckpt_callbacks")
 
-__all__ = ["restore", "read_manifest", "read_host_state", "leaf_reader"]
+__all__ = ["restore", "read_manifest", "read_host_state", "leaf_reader", "changed", "deleted_error"]
 
 
 def read_manifest(store: Store, step: int) -> dict:
@@ -319,12 +319,18 @@ def restore(store: Store, step: int, target=None):
     try:
         out = _restore(store, step, target, m)
     except (CorruptCheckpointError, CheckpointNotFoundError) as e:
-        if token is not None and store.step_token(step) != token or step not in store.committed_steps():
+        if changed(store, step, token):
             raise deleted_error(store, step) from e   # its files went: not damage
         raise
     if token is not None and store.step_token(step) != token:
         raise deleted_error(store, step)
     return out
+
+
+def changed(store: Store, step: int, token) -> bool:
+    """Whether `step` was deleted or replaced since its `Store.step_token` was `token` (a reader's
+    failure then says that its files went, not that the step is damaged)."""
+    return token is not None and store.step_token(step) != token or step not in store.committed_steps()
 
 
 def deleted_error(store: Store, step: int) -> CheckpointNotFoundError:

@@ -25,7 +25,7 @@ import numpy as np
 
 from . import chunkread, format as fmt, treepath
 from .errors import CheckpointError, CheckpointNotFoundError, StorageUnavailableError, read_failure
-from .restore import leaf_reader, read_host_state, read_manifest
+from .restore import changed, leaf_reader, read_host_state, read_manifest
 
 __all__ = ["verify_step", "problem_text", "Progress"]
 
@@ -86,7 +86,7 @@ def verify_step(store, step: int, progress=None, window: int = 16) -> list[tuple
     """
     token, listed = store.step_token(step), step in store.committed_steps()
     damaged = _verify(store, step, progress, window)
-    if damaged and listed and (store.step_token(step) != token or step not in store.committed_steps()):
+    if damaged and listed and changed(store, step, token):
         e = CheckpointNotFoundError(f"step {step} in {store.url} was deleted or replaced while it was being "
                                     f"verified (by a writer's retention, or a forced save of that step); it "
                                     f"was not found damaged")
