@@ -85,14 +85,27 @@ def _positive_int(text: str) -> int:
     return n
 
 
+def _positive_seconds(text: str) -> float:
+    try:
+        s = float(text)
+    except ValueError:
+        s = 0.0
+    if not 0 < s < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive, finite number of seconds, got {text!r}")
+    return s
+
+
 def _steps_list(text: str) -> list[int]:
     parts = text.split(",")
     try:
         if not all(p.strip() for p in parts):   # "1,,2", "1,": a typo, not two steps
             raise ValueError(text)
-        return [int(x) for p in parts for x in p.split()]
+        steps = [int(x) for p in parts for x in p.split()]
+        if any(s < 0 for s in steps):
+            raise ValueError(text)
+        return steps
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected steps like 100,200, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected non-negative steps like 100,200, got {text!r}") from None
 
 
 # -- reading helpers -------------------------------------------------------------------------
@@ -400,12 +413,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--quiet", action="store_true", help="no progress bar on stderr")
     s = sub.add_parser("gc", help="delete committed steps a retention policy does not keep")
     s.add_argument("directory", **d)
-    s.add_argument("--keep-last", type=int, metavar="N", help="keep the N newest steps")
-    s.add_argument("--keep-every", type=int, metavar="N", help="keep steps that are multiples of N")
+    s.add_argument("--keep-last", type=_positive_int, metavar="N", help="keep the N newest steps")
+    s.add_argument("--keep-every", type=_positive_int, metavar="N", help="keep steps that are multiples of N")
     s.add_argument("--keep-best", type=lambda t: _parse_best(t, True), metavar="METRIC:min|max[:N]",
                    help="keep the N best steps by a metric saved with them")
     s.add_argument("--keep-steps", type=_steps_list, metavar="S1,S2", help="keep these steps")
-    s.add_argument("--keep-every-n-seconds", type=float, metavar="S", help="keep the first step of each S-second window")
+    s.add_argument("--keep-every-n-seconds", type=_positive_seconds, metavar="S", help="keep the first step of each S-second window")
     s.add_argument("--remove-partial", action="store_true", help="also remove leftovers of interrupted saves")
     s.add_argument("--verify", action="store_true",
                    help="first read the steps to keep and check their checksums: a damaged one is kept but does "

@@ -1,5 +1,6 @@
 """`ckpt-callbacks` subcommands on real checkpoints written by CheckpointManager."""
 
+import contextlib
 import hashlib
 import io
 import json
@@ -366,13 +367,18 @@ def test_gc_bad_flag_values_are_usage_errors(ckpt):
     with pytest.raises(SystemExit) as e:
         run("gc", ckpt, "--keep-best", "val_loss:median:2")
     assert e.value.code == 2
-    rc, _, err = run("gc", ckpt, "--keep-last", "0")
-    assert rc == 2 and "keep_last must be a positive int" in err
-    rc, _, err = run("gc", ckpt, "--keep-every-n-seconds", "nan")
-    assert rc == 2 and "positive, finite number" in err
-    with pytest.raises(SystemExit) as e:
-        run("gc", ckpt, "--keep-steps", "20,,30")   # a typo, not two steps
-    assert e.value.code == 2
+    # refused by the flag's own name (as typed), with the usage, before the directory is read
+    for flag, value, says in (("--keep-last", "0", "expected a positive int"),
+                              ("--keep-every", "-2", "expected a positive int"),
+                              ("--keep-every-n-seconds", "nan", "expected a positive, finite number"),
+                              ("--keep-steps", "20,-30", "expected non-negative steps"),
+                              ("--keep-steps", "20,,30", "expected non-negative steps")):   # a typo, not two steps
+        err = io.StringIO()
+        with pytest.raises(SystemExit) as e, contextlib.redirect_stderr(err):
+            cli.main(["gc", ckpt, flag, value])
+        assert e.value.code == 2
+        assert f"argument {flag}: {says}" in err.getvalue() and "keep_" not in err.getvalue()
+    assert cc.CheckpointManager(ckpt).all_steps()   # nothing deleted
     # a metric no step reported (a typo) kept no best: it deleted the run's best step without a word
     for dry in ([], ["--dry-run"]):
         rc, out, err = run("gc", ckpt, "--keep-last", "1", "--keep-best", "val_los:min:1", *dry)
