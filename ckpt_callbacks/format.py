@@ -48,9 +48,10 @@ MAX_NDIM = 32
 _NATIVE = {"bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
            "float16", "float32", "float64", "complex64", "complex128", "bfloat16"}
 _EXOTIC = {name: getattr(ml_dtypes, name) for name in (
-    "int2", "uint2", "int4", "uint4", "float4_e2m1fn", "float6_e2m3fn", "float6_e3m2fn",
-    "float8_e3m4", "float8_e4m3", "float8_e4m3b11fnuz", "float8_e4m3fn", "float8_e4m3fnuz",
-    "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu") if hasattr(ml_dtypes, name)}
+    "int1", "uint1", "int2", "uint2", "int4", "uint4", "float4_e2m1fn", "float6_e2m3fn",
+    "float6_e3m2fn", "float8_e3m4", "float8_e4m3", "float8_e4m3b11fnuz", "float8_e4m3fn",
+    "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e5m3fnu", "float8_e8m0fnu",
+    "bcomplex32", "complex32") if hasattr(ml_dtypes, name)}
 
 
 def step_name(step: int) -> str:

@@ -190,3 +190,42 @@ def _cycle():
     c["self"] = c
     return c
 
+
+
+def _ml_dtypes_types():
+    """Every numpy scalar type ml_dtypes defines (names as numpy spells its dtype)."""
+    names = []
+    for name in dir(ml_dtypes):
+        t = getattr(ml_dtypes, name)
+        if isinstance(t, type) and issubclass(t, np.generic):
+            names.append(np.dtype(t).name)
+    return sorted(set(names))
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_every_ml_dtypes_type_is_saved_bit_cast_and_restored_bit_exactly(tmp_path, monkeypatch, packed):
+    from ckpt_callbacks import snapshot
+    if not packed:
+        monkeypatch.setattr(snapshot, "PACK_MAX_BYTES", 0)
+    names = _ml_dtypes_types()
+    assert {"float8_e4m3fn", "int4", "float8_e5m3fnu"} <= set(names)   # (ml_dtypes 0.5+: float8_e5m3fnu)
+    rng = np.random.default_rng(0)
+    tree = {}
+    for name in names:
+        dt = np.dtype(getattr(ml_dtypes, name))
+        if name.startswith(("int", "uint")):   # sub-byte ints: valid values only
+            info = ml_dtypes.iinfo(dt)
+            raw = rng.integers(int(info.min), int(info.max) + 1, 6).astype(dt).view(np.uint8)
+        elif "complex" in name:   # two halves, any bits
+            raw = rng.integers(0, 256, 6 * dt.itemsize).astype(np.uint8)
+        else:   # every bit pattern of the type's width (NaN payloads included)
+            raw = rng.integers(0, 1 << ml_dtypes.finfo(dt).bits, 6).astype(f"<u{dt.itemsize}").view(np.uint8)
+        tree[name] = raw.view(dt).reshape(2, 3)
+    with cc.CheckpointManager(tmp_path) as m:
+        m.save(1, tree)
+        m.wait_until_finished()
+        out = m.restore(1)
+        kinds = {r["k"] for r in fmt.unpack_manifest(m.store.read(f"{fmt.step_name(1)}/manifest.msgpack"))["leaves"]}
+    assert kinds == ({"packed"} if packed else {"array"})
+    for name in names:
+        assert out[name].dtype == tree[name].dtype and out[name].tobytes() == tree[name].tobytes(), name
