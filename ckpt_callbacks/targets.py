@@ -16,6 +16,7 @@ leaf of the target after the tree structures matched (`treepath.match`), before 
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -132,6 +133,9 @@ def _unplaceable(t, where: str, expected: str, has: str) -> tuple | None:
     raised only once the leaf was read, naming no key path), judged as jax does (`shard_shape`)."""
     if kind(t) != "jax":
         return None
+    if not treepath.is_prng_key(t) and (why := _not_on_devices(t)):
+        return (where, expected, f"{has} on jax, which cannot hold that dtype on {why} (restore it onto a numpy "
+                                 f"array target or None: host numpy)")
     if not treepath.is_prng_key(t) and (canon := jax.dtypes.canonicalize_dtype(t.dtype)) != t.dtype:
         return (where, expected, f"{has} on jax, which makes it {fmt.dtype_name(canon)} (wrong values) while "
                                  f"jax_enable_x64 is off (enable jax_enable_x64, or restore it onto a numpy "
@@ -145,3 +149,30 @@ def _unplaceable(t, where: str, expected: str, has: str) -> tuple | None:
                                  f"place it (shard it over mesh axes whose sizes divide its dimensions, or "
                                  f"replicate it)")
     return None
+
+
+def _not_on_devices(t) -> str | None:
+    """Where target leaf `t` asks jax for a dtype that its devices cannot hold (a ShapeDtypeStruct
+    takes any ml_dtypes type: float8_e5m3fnu no jax array can be, float6 no CPU array), that
+    platform ("cpu" ...); else None. Such a leaf raised jax's own error once it had been read,
+    naming no key path. Asked once per dtype and platform (native dtypes never)."""
+    name = fmt.dtype_name(t.dtype)
+    if fmt.storage_dtype(name) == name:   # zarr's own dtypes: jax's everywhere
+        return None
+    sharding = getattr(t, "sharding", None)
+    if sharding is not None:
+        platform = next(iter(sharding.device_set)).platform
+    else:
+        default = jax.config.jax_default_device
+        platform = default if isinstance(default, str) else (default or jax.local_devices()[0]).platform
+    return None if _holds(name, platform) else platform
+
+
+@functools.lru_cache(maxsize=None)
+def _holds(name: str, platform: str) -> bool:
+    """Whether jax puts an (empty) array of dtype `name` on a device of `platform`."""
+    try:
+        jax.device_put(np.zeros((0,), fmt.logical_dtype(name)), jax.local_devices(backend=platform)[0])
+    except Exception:   # jax's TypeError (no jax dtype), the runtime's (no such type on this platform)
+        return False
+    return True

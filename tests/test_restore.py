@@ -7,6 +7,7 @@ import tempfile
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSharding
@@ -778,3 +779,19 @@ def test_structure_mismatches_are_said_as_what_they_are(ckdir):
     assert "differs from the checkpoint's in 6 place(s) (11 key paths):" in text   # as many places as lines
     with pytest.raises(cc.IncompatibleCheckpointError, match=r"in 1 place\(s\) \(7 key paths\):\n  <root>: "):
         m.restore(target=np.zeros(2))
+
+
+def test_a_jax_target_of_a_dtype_jax_cannot_hold_is_refused_before_reading(ckdir, monkeypatch):
+    """A ShapeDtypeStruct takes any ml_dtypes type, but no jax array is float8_e5m3fnu and no CPU
+    array float6: such a target raised jax's TypeError / JaxRuntimeError after reading, naming
+    no key path, instead of an IncompatibleCheckpointError."""
+    saved = {"f6": np.zeros(3, ml_dtypes.float6_e2m3fn), "f8": np.zeros(3, ml_dtypes.float8_e5m3fnu),
+             "ok": np.zeros(3, ml_dtypes.float8_e4m3fn)}
+    save(ckdir, saved)
+    m = cc.CheckpointManager(ckdir, read_only=True)
+    assert_tree_equal(m.restore(target=saved), saved)   # onto numpy targets they come back as saved
+    _no_reads(monkeypatch)
+    with pytest.raises(cc.IncompatibleCheckpointError) as e:
+        m.restore(target={k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in saved.items()})
+    assert [w for w, _, _ in e.value.mismatches] == ["['f6']", "['f8']"], str(e.value)
+    assert "float6_e2m3fn[3] on jax, which cannot hold that dtype on cpu" in str(e.value)
