@@ -507,8 +507,12 @@ def _placement_free(t) -> bool:
 
 
 def _like_numpy_target(value: np.ndarray, t):
-    """`value` as a numpy scalar where the target leaf is one (`np.float32(0)`), else as the array."""
-    return value[()] if isinstance(t, np.generic) else value
+    """`value` as a numpy scalar where the target leaf is one (`np.float32(0)`), else as the array,
+    in the target's byte order (a big-endian ``>f4`` target matches a saved float32 by name: it
+    came back little-endian)."""
+    if isinstance(t, np.generic):
+        return value[()]
+    return value if value.dtype == t.dtype else value.astype(t.dtype)
 
 
 def _py_onto(v, t, kind: str):

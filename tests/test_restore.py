@@ -795,3 +795,17 @@ def test_a_jax_target_of_a_dtype_jax_cannot_hold_is_refused_before_reading(ckdir
         m.restore(target={k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in saved.items()})
     assert [w for w, _, _ in e.value.mismatches] == ["['f6']", "['f8']"], str(e.value)
     assert "float6_e2m3fn[3] on jax, which cannot hold that dtype on cpu" in str(e.value)
+
+
+def test_a_big_endian_numpy_target_gets_its_byte_order_back(ckdir):
+    """A `>f4` numpy leaf is saved as float32 (little-endian bytes); restored onto itself as the
+    target it came back `<f4`: the target's dtype, which matched by name, was not kept."""
+    saved = {"be": np.arange(6, dtype=">f4").reshape(2, 3), "be0": np.array(-3, ">i8"),
+             "le": np.arange(3, dtype="<u2")}
+    save(ckdir, saved)
+    m = cc.CheckpointManager(ckdir, read_only=True)
+    out = m.restore(target=saved)
+    for k, v in saved.items():
+        assert type(out[k]) is np.ndarray and out[k].dtype == v.dtype, (k, out[k].dtype)
+        np.testing.assert_array_equal(out[k], v)
+    assert m.restore()["be"].dtype == np.dtype("=f4")   # without a target: native, as recorded
