@@ -28,7 +28,8 @@ from . import layout
 from .errors import CorruptCheckpointError, IncompatibleCheckpointError
 
 __all__ = ["FORMAT_VERSION", "MANIFEST", "step_name", "parse_step_name", "pack_manifest",
-           "unpack_manifest", "pack_bins", "bin_entries", "chunk_key", "crc32c", "storage_dtype", "logical_dtype", "dtype_name"]
+           "unpack_manifest", "pack_bins", "bin_entries", "chunk_key", "crc32c", "storage_dtype", "logical_dtype", "dtype_name",
+           "dtype_names"]
 
 FORMAT_VERSION = 1
 MAGIC = "ckpt_callbacks"
@@ -83,6 +84,11 @@ def _dtype_name(dtype) -> str:
     return np.dtype(dtype).name
 
 
+def dtype_names() -> list[str]:
+    """The dtype names this format holds, sorted (what `logical_dtype` knows)."""
+    return sorted(_NATIVE | set(_EXOTIC))
+
+
 def logical_dtype(name: str) -> np.dtype:
     """numpy dtype for a saved dtype name; IncompatibleCheckpointError for unknown names."""
     if name in _NATIVE:
@@ -90,7 +96,7 @@ def logical_dtype(name: str) -> np.dtype:
     if name in _EXOTIC:
         return np.dtype(_EXOTIC[name])
     raise IncompatibleCheckpointError(f"unknown dtype {name!r} in checkpoint; this version knows "
-                                      f"{sorted(_NATIVE | set(_EXOTIC))}")
+                                      f"{dtype_names()}")
 
 
 def storage_dtype(name: str) -> str:

@@ -98,6 +98,22 @@ def _sharding_desc(x) -> dict:
     return {"type": type(s).__name__}
 
 
+def _unsavable_dtype(where: str, dtype, name: str) -> InvalidTreeError:
+    """The error for a leaf whose dtype the format cannot hold: what it is (a structured dtype as
+    its fields, not numpy's "void64"), what the format holds, and how to save it instead."""
+    dtype = np.dtype(dtype)
+    if dtype.names is not None:
+        what = f"a structured dtype {dtype.descr}"
+        fix = "save each field as a leaf of its own, e.g. {name: x[name] for name in x.dtype.names}"
+    else:
+        what = f"dtype {dtype}" + (f" ({name})" if name != str(dtype) else "")
+        fix = ("save the values as Python str or bytes leaves (e.g. x.tolist()), or their encoded bytes as "
+               "a uint8 array" if dtype.kind in "US" else
+               "convert it to one of these dtypes (e.g. datetimes as int64 with x.astype(np.int64))")
+    return InvalidTreeError(f"at {where}: {what} cannot be saved; the format can hold "
+                            f"{', '.join(fmt.dtype_names())}. Fix: {fix}")
+
+
 def _classify(path, x) -> dict:
     """The manifest record for one leaf, without storage details."""
     where = treepath.keystr(path)
@@ -132,7 +148,7 @@ def _classify(path, x) -> dict:
         try:
             fmt.logical_dtype(dt)
         except Exception:
-            raise InvalidTreeError(f"at {where}: dtype {dt} cannot be saved") from None
+            raise _unsavable_dtype(where, x.dtype, dt) from None
         rec.update(k="array", dt=dt, sh=[int(d) for d in x.shape], sd=_sharding_desc(x))
     else:
         raise InvalidTreeError(

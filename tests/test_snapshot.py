@@ -100,6 +100,23 @@ def test_leaves_the_format_cannot_hold_as_they_are_are_refused_at_save_naming_th
         assert m.all_steps() == []
 
 
+@pytest.mark.parametrize("leaf,message", [
+    (np.zeros(3, [("a", "<f4"), ("b", "<i4")]),   # numpy names it "void64"
+     r"a structured dtype \[\('a', '<f4'\), \('b', '<i4'\)\].*Fix: save each field as a leaf of its own"),
+    (np.zeros(2, [("a", "<f4")])[0], r"a structured dtype \[\('a', '<f4'\)\]"),   # a numpy scalar of one
+    (np.array(["ab", "c"]), r"dtype <U2 \(str64\) cannot be saved.*Fix: save the values as Python str or bytes"),
+    (np.array(["2020-01-01"], "datetime64[D]"),
+     r"dtype datetime64\[D\] cannot be saved; the format can hold bfloat16, bool, .*, int64, .*Fix: convert it"),
+])
+def test_a_dtype_the_format_cannot_hold_is_refused_saying_what_it_is_and_how_to_save_it(ckdir, leaf, message):
+    """A structured dtype was refused as "dtype void64 cannot be saved": numpy's name for it, with
+    neither the fields the user wrote, nor what the format holds, nor how to save it instead."""
+    with cc.CheckpointManager(ckdir) as m:
+        with pytest.raises(cc.InvalidTreeError, match=r"at \['opt'\]\[1\]: " + message):
+            m.save(1, {"opt": [np.zeros(2), leaf]})
+        assert m.all_steps() == []
+
+
 def test_the_structure_digest_changes_with_the_files_a_plan_writes_and_only_with_them(devices):
     """What processes compare before a save (`agreement.agree`): equal where every
     file would hold the same bytes' places, different where a key, shape, dtype or an array's
