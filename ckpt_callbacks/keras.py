@@ -533,8 +533,8 @@ class AsyncCheckpoint(keras.callbacks.Callback):
         self.last_blocking_s = time.perf_counter() - t0
         if started:
             self._replace.discard(self._global_step)
-        if started and "data" in host:
-            self._data_saved = (self._global_step, host["data"])
+        if started and "data" in host:   # a copy: an iterator may hand out its live state, which moves on
+            self._data_saved = (self._global_step, keras_resume.copy_state(host["data"]))
         if started and self.verbose:
             where = f"epoch {epoch + 1}, batch {batch}" if batch else f"end of epoch {epoch}"
             # (a line of its own: Keras' progress bar has not ended its line yet, as for ModelCheckpoint)

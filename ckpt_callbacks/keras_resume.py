@@ -23,6 +23,7 @@ each step (host state) so that a resume into epochs of another length is recogni
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 
@@ -34,7 +35,7 @@ from .keras_data import ResumableDataset
 from .manager import CheckpointManager
 
 __all__ = ["position_data", "epoch_steps", "check_epochs_are_passes", "restore", "newest_intact", "state_of",
-           "same"]
+           "copy_state", "same"]
 
 log = logging.getLogger("ckpt_callbacks")
 
@@ -43,6 +44,16 @@ def state_of(data):
     """`data.get_state()`, or None where it fails (then nothing is compared)."""
     try:
         return data.get_state()
+    except Exception:  # noqa: BLE001 - only used to compare
+        return None
+
+
+def copy_state(state):
+    """A deep copy of an iterator state (msgpack-able data) to compare with later; None where it
+    cannot be copied (then nothing is compared). An iterator may return its live state object,
+    which its next batches change: kept as is, it always equalled the iterator's later state."""
+    try:
+        return copy.deepcopy(state)
     except Exception:  # noqa: BLE001 - only used to compare
         return None
 

@@ -837,6 +837,44 @@ def _assert_same_weights(a, b):
         np.testing.assert_array_equal(u, v)
 
 
+class _LiveStateIterator:
+    """A get_state()/set_state() iterator whose get_state() returns its live state dict."""
+
+    def __init__(self, items, live):
+        self.items, self.state, self.live = items, {"i": 0}, live
+
+    def __next__(self):
+        self.state["i"] += 1
+        return self.items[(self.state["i"] - 1) % len(self.items)]
+
+    def get_state(self):
+        return self.state if self.live else dict(self.state)
+
+    def set_state(self, state):
+        self.state["i"] = state["i"]
+
+
+def test_an_iterator_handing_out_its_live_state_is_set_back_to_the_last_save(tmp_path):
+    """The epoch-end save is skipped (a NaN loss), so the next fit() must set the iterator back to
+    the last saved step's position. An iterator whose get_state() returns its live dict made the
+    kept state always equal the iterator's, and the next fit() trained on from where it stood,
+    past the batches after step 3 (other data, other weights than with a copied state)."""
+    x, y, _ = _data(n=96)
+    items = [(x[i:i + 16], y[i:i + 16]) for i in range(0, 96, 16)]
+    items[4] = (np.full_like(items[4][0], np.nan), items[4][1])   # the batch of step 4
+    weights = {}
+    for live in (False, True):
+        it = _LiveStateIterator(items, live)
+        model, cb = _model(), AsyncCheckpoint(str(tmp_path / str(live)), save_freq=3, data=it)
+        model.fit(_IteratorBatches(it, 4), epochs=1, steps_per_epoch=4, verbose=0, callbacks=[cb])
+        assert cb.manager.all_steps() == [3], live   # step 4's save skipped: its loss is NaN
+        model.fit(_IteratorBatches(it, 4), epochs=3, verbose=0, callbacks=[cb])
+        assert cb.resumed_step == 3 and cb.manager.all_steps() == [3], live
+        weights[live] = _weights(model)
+    for a, b in zip(weights[False], weights[True]):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_a_grain_iterator_resumes_exactly_through_batches_or_a_pydataset(tmp_path):
     """Keras reads a generator's first two batches before any callback runs and trains on them;
     `cb.batches()` puts the iterator at the checkpoint's position on its first read. A PyDataset
