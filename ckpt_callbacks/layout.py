@@ -83,7 +83,9 @@ def assign(items: Sequence[tuple[int, Sequence[int]]], nprocs: int) -> list[int]
     it. Deterministic: every process computes the same answer from the same inputs. Largest items
     are placed first, each on the least-loaded holder (ties: lowest index).
     """
-    load = [0] * max(1, nprocs)
+    if nprocs <= 1:
+        return [0] * len(items)
+    load = [0] * nprocs
     out = [0] * len(items)
     order = sorted(range(len(items)), key=lambda i: (-items[i][0], i))
     for i in order:

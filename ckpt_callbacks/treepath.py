@@ -24,6 +24,7 @@ import dataclasses
 from typing import Any
 
 import jax
+import numpy as np
 from jax import tree_util as jtu
 
 from .errors import IncompatibleCheckpointError
@@ -90,9 +91,14 @@ class Flat:
         return [keystr(p) for p in self.paths]
 
 
+# types jax always flattens as leaves (exact types, not subclasses: a subclass may be a registered
+# node), and jax.Arrays: told apart without asking jax to flatten them (~15 us a leaf)
+_LEAF_TYPES = frozenset({np.ndarray, int, float, bool, complex, str, bytes})
+
+
 def _children(node):
     """One level of a pytree node: list of (entry, child) or None when `node` is a leaf."""
-    if node is None:
+    if node is None or type(node) in _LEAF_TYPES or isinstance(node, jax.Array):
         return None
     try:
         kids, treedef = jtu.tree_flatten_with_path(node, is_leaf=lambda x: x is not node)
