@@ -105,6 +105,10 @@ class LocalStore(Store):
             raise CheckpointError(f"{self.root} is a file, not a checkpoint directory") from None
         return sorted(s for s in map(fmt.parse_step_name, names) if s is not None)
 
+    def has_step(self, step: int) -> bool:
+        # the name `committed_steps` would list (a `step_N` entry, damaged or not): one lstat
+        return os.path.lexists(self.path(fmt.step_name(step)))
+
     def staging(self, step: int, token: str) -> str:
         """The staging directory (relative) that `begin` makes for the save `token` of `step`."""
         return f"{fmt.step_name(step)}.tmp-{token}"

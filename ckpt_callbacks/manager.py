@@ -379,16 +379,15 @@ class CheckpointManager:
             mngr.metrics(4)   # {'loss': 0.25}
         """
         step = check_step(step)
-        if step not in self.all_steps():
+        if not self.store.has_step(step):
             return None
         if not self.store.local:   # no cheap token says whether the step changed: one read of its manifest
             self._infos.pop(step, None)
-        retain.step_infos(self)
+        info = retain.step_info(self, step)
         why = self._damaged.get(step)
         if why is not None:
             raise CorruptCheckpointError(f"step {step} in {self.store.url}: its manifest cannot be read "
                                          f"({why}); run `ckpt-callbacks verify`")
-        info = self._infos.get(step)
         return None if info is None else dict(info.metrics)
 
     def best_step(self) -> int | None:

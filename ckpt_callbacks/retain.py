@@ -31,7 +31,7 @@ from .errors import CheckpointError, StorageUnavailableError
 from .retention import StepInfo, decide
 from .writing import SaveStats
 
-__all__ = ["apply", "step_infos", "local_token"]
+__all__ = ["apply", "step_infos", "step_info", "local_token"]
 
 log = logging.getLogger("ckpt_callbacks")
 
@@ -87,32 +87,40 @@ def step_infos(mngr) -> list[StepInfo]:
     local step was replaced since (a forced save through another manager or process)."""
     steps = mngr.store.committed_steps()
     for s in steps:
-        token = local_token(mngr, s)
-        if mngr._info_tokens.get(s) != token:
-            mngr._infos.pop(s, None)   # (background retention may drop it meanwhile)
-        for _ in range(2):   # once more where the step was replaced while it was read
-            if s in mngr._infos:
-                break
-            mngr._info_tokens[s] = token
-            try:
-                m = restore_mod.read_manifest(mngr.store, s)
-                mngr._infos[s] = StepInfo.of_manifest(s, m)
-            except StorageUnavailableError:
-                raise   # says nothing about the step: not remembered as metric-less
-            except CheckpointError as e:
-                if s not in mngr.store.committed_steps():   # deleted while read (the writer's retention)
-                    mngr._info_tokens.pop(s, None)
-                    break
-                if (now := local_token(mngr, s)) != token:   # replaced while read (a forced save)
-                    token = now
-                    continue
-                # damaged: listed, never ranked, never deleted by retention (its metrics are
-                # unknown: it may be the best), as `ckpt-callbacks gc` does; read again next time
-                if s not in mngr._damaged:
-                    log.warning("ckpt_callbacks: step %d in %s: cannot read its manifest (%s); kept "
-                                "(run `ckpt-callbacks verify`)", s, mngr.store.url, e)
-                mngr._damaged[s] = str(e)
-                break
-            mngr._damaged.pop(s, None)
+        step_info(mngr, s)
     infos = [mngr._infos.get(s) for s in steps]   # background retention may drop a step meanwhile
     return [i for i in infos if i is not None]
+
+
+def step_info(mngr, s: int) -> StepInfo | None:
+    """Committed step `s`'s time and metrics, as `step_infos` reads them, for that step alone
+    (`CheckpointManager.metrics`: reading one step costs one step, not one per committed step).
+    None where its manifest cannot be read (recorded in `mngr._damaged`) or the step went."""
+    token = local_token(mngr, s)
+    if mngr._info_tokens.get(s) != token:
+        mngr._infos.pop(s, None)   # (background retention may drop it meanwhile)
+    for _ in range(2):   # once more where the step was replaced while it was read
+        if s in mngr._infos:
+            break
+        mngr._info_tokens[s] = token
+        try:
+            m = restore_mod.read_manifest(mngr.store, s)
+            mngr._infos[s] = StepInfo.of_manifest(s, m)
+        except StorageUnavailableError:
+            raise   # says nothing about the step: not remembered as metric-less
+        except CheckpointError as e:
+            if s not in mngr.store.committed_steps():   # deleted while read (the writer's retention)
+                mngr._info_tokens.pop(s, None)
+                break
+            if (now := local_token(mngr, s)) != token:   # replaced while read (a forced save)
+                token = now
+                continue
+            # damaged: listed, never ranked, never deleted by retention (its metrics are
+            # unknown: it may be the best), as `ckpt-callbacks gc` does; read again next time
+            if s not in mngr._damaged:
+                log.warning("ckpt_callbacks: step %d in %s: cannot read its manifest (%s); kept "
+                            "(run `ckpt-callbacks verify`)", s, mngr.store.url, e)
+            mngr._damaged[s] = str(e)
+            break
+        mngr._damaged.pop(s, None)
+    return mngr._infos.get(s)

@@ -70,6 +70,10 @@ class Store:
     def committed_steps(self) -> list[int]:
         raise NotImplementedError
 
+    def has_step(self, step: int) -> bool:
+        """Whether `step` is among `committed_steps()`; a backend may answer without listing them all."""
+        return step in self.committed_steps()
+
     def begin(self, step: int, token: str, lead: bool = True, reuse_tree: bool = False) -> str:
         """`lead` is True on the one process (0) that owns the step's staging and publishes it.
         `reuse_tree` (a single writing process): the backend may make a step directory kept by
