@@ -42,7 +42,7 @@ import tensorstore as ts
 
 from . import format as fmt
 from . import chunkread, layout, localfs, targets, treepath
-from .errors import (CheckpointNotFoundError, CorruptCheckpointError, IncompatibleCheckpointError,
+from .errors import (CheckpointNotFoundError, CorruptCheckpointError, IncompatibleCheckpointError, InvalidTreeError,
                      StorageUnavailableError, read_failure)
 from .storage import Store, submit
 
@@ -349,7 +349,11 @@ def _restore(store: Store, step: int, target, m: dict):
         reader.prefetch(recs)
         leaves = _map(lambda rec: _restore_leaf(reader, rec, None), recs)
         return treepath.rebuild(m["tree"], leaves)
-    flat = treepath.flatten(target)
+    try:
+        flat = treepath.flatten(target)
+    except TypeError as e:   # a key or nesting no checkpoint can hold (save refuses them alike)
+        raise InvalidTreeError(f"step {step}: the restore target cannot match any checkpoint: {e}. Fix: "
+                               f"restore onto a target built like the saved state, or pass target=None") from None
     order = treepath.match([r["p"] for r in recs], flat.paths)
     problems = [p for i, t, path in zip(order, flat.leaves, flat.paths)
                 if (p := targets.check(recs[i], t, treepath.keystr(path)))]

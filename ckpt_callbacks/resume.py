@@ -39,8 +39,12 @@ log = logging.getLogger("ckpt_callbacks")
 def collective(target) -> bool:
     """Whether restoring onto `target` builds an array that spans several processes: every
     process must make that call, so a read-only manager's processes can agree on its step."""
+    try:
+        leaves = jax.tree_util.tree_leaves(target)
+    except (TypeError, ValueError):   # e.g. mixed dict keys: the restore refuses it, naming the key path
+        return False
     return any(isinstance(s := getattr(leaf, "sharding", None), jax.sharding.Sharding)
-               and not s.is_fully_addressable for leaf in jax.tree_util.tree_leaves(target))
+               and not s.is_fully_addressable for leaf in leaves)
 
 
 def read(mngr, step, target, fallback: bool, coord=None):

@@ -308,6 +308,21 @@ def test_mismatches_name_key_paths(ckdir):
     assert isinstance(e.value, ValueError) and len(e.value.mismatches) == 2
 
 
+def test_a_target_no_checkpoint_can_hold_is_a_typed_error_naming_the_key_path(ckdir):
+    """A target nested deeper than save allows, or with a key save refuses, raised a bare TypeError
+    from restore (save raised InvalidTreeError for the same tree)."""
+    save(ckdir, {"a": np.zeros(3, np.float32)})
+    m = cc.CheckpointManager(ckdir, read_only=True)
+    deep = np.zeros(3, np.float32)
+    for _ in range(101):
+        deep = {"a": deep}
+    for target, says in [(deep, "at ['a']['a']"), ({("a", 1): np.zeros(3)}, "at <root>: dict key ('a', 1)"),
+                         ({"a": {1: 0, "b": 0}}, "at ['a']: a dict with keys of types int, str")]:
+        with pytest.raises(cc.InvalidTreeError) as e:
+            m.restore(target=target)
+        assert isinstance(e.value, cc.CheckpointError) and says in str(e.value)
+
+
 def test_python_scalar_target_leaves_match_only_their_kind_and_none_stands_for_anything(ckdir):
     saved = {"w": np.ones(3), "step": jnp.int32(7), "epoch": 2, "name": "run", "none": None, "c": np.complex64(1j)}
     save(ckdir, saved)
