@@ -33,6 +33,7 @@ Called by restore worker threads, on every process, for the boxes that process n
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import stat
@@ -44,9 +45,30 @@ from . import layout
 from .errors import CorruptCheckpointError, read_failure
 
 
-def direct(arr) -> bool:
-    """Whether the opened tensorstore `arr` stores chunks as raw C-order bytes + CRC-32C."""
-    meta = arr.spec().to_json().get("metadata", {})
+ZARR_JSON_MAX_BYTES = 1 << 20   # a zarr.json read for `metadata` (the format's are ~300 bytes)
+
+
+def metadata(arr, raw: bytes | None = None) -> dict:
+    """The zarr metadata of the opened tensorstore `arr`: parsed from `raw`, the bytes of its
+    zarr.json where the caller has them (a local directory), else from ``arr.spec()``.
+
+    Why not always the spec: tensorstore's ``Spec.to_json()`` (0.1.86) never frees the lists and
+    dicts nested in what it returns (~4.7 KB per zarr array spec): called for every array leaf
+    of every restore and verify, it grew a process that restores repeatedly without bound."""
+    if raw is not None:
+        try:
+            meta = json.loads(raw)
+        except ValueError:
+            meta = None
+        if isinstance(meta, dict):
+            return meta
+    return arr.spec().to_json().get("metadata", {})
+
+
+def direct(arr, meta: dict | None = None) -> bool:
+    """Whether the opened tensorstore `arr` stores chunks as raw C-order bytes + CRC-32C (`meta`:
+    its `metadata`, where the caller has it)."""
+    meta = metadata(arr) if meta is None else meta
     codecs = meta.get("codecs") or [{}]
     raw = codecs[0].get("name") == "bytes" and codecs[0].get("configuration", {}).get("endian", "little") == "little"
     return (raw and codecs[1:] == [{"name": "crc32c"}] and meta.get("chunk_key_encoding") == {"name": "default"}

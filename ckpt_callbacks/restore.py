@@ -100,6 +100,7 @@ class leaf_reader:
         self._blobs: dict = {}
         self._lock = threading.Lock()   # leaves are restored from several threads
         self._loading: dict = {}        # one lock per blob: different blobs load in parallel
+        self.meta: dict = {}            # array dir -> its zarr metadata (`array` reads it, `chunkread.direct` asks)
 
     def _blob(self, rel: str, where: str) -> tuple:
         with self._lock:
@@ -172,10 +173,12 @@ class leaf_reader:
         ``cache_bytes`` > 0 keeps up to that many decoded chunk bytes, so reading several boxes
         that share chunks decodes (and reads) each chunk once."""
         where = treepath.keystr(tuple(map(tuple, rec["p"])))
+        raw = None   # the zarr.json bytes, where they are read here anyway (see `chunkread.metadata`)
         if self.store.local:   # tensorstore would wait forever in open() on a FIFO there
             meta = self.store.path(f"{self.base}/{rec['z']}/zarr.json")
             try:
-                localfs.open_file(meta).close()
+                with localfs.open_file(meta) as f:
+                    raw = f.read(chunkread.ZARR_JSON_MAX_BYTES + 1)
             except (OSError, ValueError) as e:   # (FileNotFoundError: tensorstore says it below)
                 if not isinstance(e, FileNotFoundError):
                     raise read_failure(e, where, f"{rec['z']}/zarr.json", str(e),
@@ -197,7 +200,8 @@ class leaf_reader:
                 or chunks != rec["ch"]):
             raise CorruptCheckpointError(f"{where}: array metadata {list(arr.shape)} {arr.dtype} chunks {chunks} "
                                          f"disagrees with the manifest {rec['sh']} {rec['dt']} {rec['ch']}", where)
-        codecs = arr.spec().to_json().get("metadata", {}).get("codecs") or [{}]
+        self.meta[rec["z"]] = meta = chunkread.metadata(arr, raw)
+        codecs = meta.get("codecs") or [{}]
         # the format's codecs only: every chunk checksummed (never read unchecked), little-endian
         # bytes (zarr.json has no checksum of its own: another codec there is damage, not a format)
         if (len(codecs) != 2 or codecs[0].get("name") != "bytes" or codecs[1] != {"name": "crc32c"}
@@ -246,7 +250,7 @@ class leaf_reader:
         arr = self.array(rec, cache_bytes=min(nbytes, CHUNK_CACHE_BYTES) if shared else 0)
         # allocated only once the stored chunks are known to hold the declared shape
         outs = [chunkread.aligned_empty(layout.box_shape(b), fmt.storage_dtype(rec["dt"])) for b in boxes]
-        if self.store.local and chunkread.direct(arr):
+        if self.store.local and chunkread.direct(arr, self.meta[rec["z"]]):
             chunkread.read_boxes(self.store.path(f"{self.base}/{rec['z']}"), rec, boxes, outs, where)
         else:
             # the chunks' CRCs, in flight while the data is read (one more request per chunk)

@@ -116,7 +116,7 @@ def _verify(store, step: int, progress, window: int) -> list[tuple[str, str]]:
                     progress.add(math.prod(rec["sh"]) * itemsize, where)
                 continue
             arr = reader.array(rec)
-            if store.local and chunkread.direct(arr):   # the very reads (and checks) of a restore
+            if store.local and chunkread.direct(arr, reader.meta[rec["z"]]):   # the very reads of a restore
                 root = store.path(f"{reader.base}/{rec['z']}")
                 dtype = fmt.storage_dtype(rec["dt"])
                 for idx, sl in _chunks(rec["sh"], rec["ch"]):

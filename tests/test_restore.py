@@ -323,6 +323,26 @@ def test_a_target_no_checkpoint_can_hold_is_a_typed_error_naming_the_key_path(ck
         assert isinstance(e.value, cc.CheckpointError) and says in str(e.value)
 
 
+def test_repeated_restores_and_verifies_of_array_leaves_keep_no_objects(ckdir):
+    """tensorstore's Spec.to_json() never frees the containers nested in its result: each restore
+    or verify of a zarr array leaf kept 11 objects (~4.7 KB) for good, so a process restoring
+    checkpoints again and again (an evaluator following a run) grew without bound."""
+    import gc
+    from ckpt_callbacks import verify
+    save(ckdir, {"big": np.arange(5 << 18, dtype=np.float32), "small": np.ones(3)})   # 5 MiB: a zarr leaf
+    m = cc.CheckpointManager(ckdir, read_only=True)
+    for _ in range(3):
+        m.restore(), verify.verify_step(m.store, 1)
+    gc.collect()
+    before = len(gc.get_objects())
+    for _ in range(20):
+        out = m.restore()
+        assert verify.verify_step(m.store, 1) == []
+    del out
+    gc.collect()
+    assert len(gc.get_objects()) - before < 100   # ~880 before
+
+
 def test_python_scalar_target_leaves_match_only_their_kind_and_none_stands_for_anything(ckdir):
     saved = {"w": np.ones(3), "step": jnp.int32(7), "epoch": 2, "name": "run", "none": None, "c": np.complex64(1j)}
     save(ckdir, saved)
