@@ -50,7 +50,8 @@ ZARR_JSON_MAX_BYTES = 1 << 20   # a zarr.json read for `metadata` (the format's 
 
 def metadata(arr, raw: bytes | None = None) -> dict:
     """The zarr metadata of the opened tensorstore `arr`: parsed from `raw`, the bytes of its
-    zarr.json where the caller has them (a local directory), else from ``arr.spec()``.
+    zarr.json where the caller has them (read from the directory or the object store), else from
+    ``arr.spec()``.
 
     Why not always the spec: tensorstore's ``Spec.to_json()`` (0.1.86) never frees the lists and
     dicts nested in what it returns (~4.7 KB per zarr array spec): called for every array leaf
