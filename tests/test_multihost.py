@@ -4,7 +4,8 @@ Each launch costs a few seconds, so a launch runs several checks (tests/multihos
 module fixtures share them: one 2-process run (save, restore on two meshes, host state, retention,
 start-up failure), one 4-process run (restore the 2-process checkpoint on 4x2, host-state remap,
 save), and the pytest process itself (8 devices) restores them on 1x8 and 1x2. A process killed
-mid-save, and the restart after it, are their own launches.
+mid-save, and the restart after it, are their own launches. Keras `fit` with AsyncCheckpoint
+(tests/keras_multihost_worker.py) runs on 2 x 4 uninterrupted, cut and resumed, and resumes on 1 x 8.
 """
 
 import collections
@@ -382,3 +383,41 @@ def test_replicated_shard_pieces_tile_the_shard_exactly(dims):
         cells.update(itertools.product(*[range(lo, hi) for lo, hi in p]))
     assert set(cells.values()) <= {1}
     assert len(cells) == math.prod(b - a for a, b in box)
+
+
+@pytest.fixture(scope="module")
+def keras_run(tmp_path_factory):
+    """Keras `fit` with AsyncCheckpoint on 2 x 4 (ModelParallel, the kernel's halves on different
+    processes): one run uninterrupted, one whose processes all leave mid-epoch and a fresh launch
+    resumes it."""
+    pytest.importorskip("keras")
+    root = tmp_path_factory.mktemp("keras")
+    whole = _ok(launch("keras_multihost_worker:fit", 2, devices_per_process=4, timeout_s=180,
+                       args={"root": str(root / "whole"), "epochs": 2}))
+    died = launch("keras_multihost_worker:fit", 2, devices_per_process=4, timeout_s=180,
+                  args={"root": str(root / "cut"), "epochs": 2, "exit_at": 13})
+    assert [r.returncode for r in died] == [17, 17], [r.describe() for r in died]
+    resumed = _ok(launch("keras_multihost_worker:fit", 2, devices_per_process=4, timeout_s=180,
+                         args={"root": str(root / "cut"), "epochs": 2}))
+    return root, whole, resumed
+
+
+def test_keras_fit_on_two_processes_resumes_bit_exact_and_writes_each_byte_once(keras_run):
+    root, whole, resumed = keras_run
+    assert whole[0]["error_type"] is None and whole[0]["kernel"] == [None, "model"]
+    # one state on every process; each process wrote its own shards, every replicated byte once
+    assert len({r["digest"] for r in whole}) == 1
+    assert sum(r["bytes_written"] for r in whole) == whole[0]["bytes_total"] and all(r["bytes_written"] for r in whole)
+    assert open_store(str(root / "whole")).committed_steps() == whole[0]["steps"] == [8, 14, 16]   # keep_last=2, best 8
+    assert [r["best"] for r in whole] == [8, 8]
+    # all processes left at batch 13 (step 11 committed): a fresh launch goes on from the next unseen batch
+    assert [(r["resumed"], r["steps"]) for r in resumed] == [(11, [8, 14, 16])] * 2
+    assert [r["digest"] for r in resumed] == [whole[0]["digest"]] * 2
+
+
+def test_keras_two_process_checkpoint_resumes_on_one_process_and_on_data_parallel(keras_run):
+    root, whole, _ = keras_run
+    for kind in ("mp", "dp"):   # (1, 8) ModelParallel and 8-way DataParallel: resharded, nothing left to train
+        (r,) = _ok(launch("keras_multihost_worker:fit", 1, devices_per_process=8, timeout_s=180,
+                          args={"root": str(root / "whole"), "epochs": 2, "kind": kind}))
+        assert (r["resumed"], r["digest"]) == (16, whole[0]["digest"]), kind

@@ -1,0 +1,132 @@
+"""Keras `model.fit` with `AsyncCheckpoint` inside `jax.distributed` processes (tests/test_multihost.py).
+
+Example (from a test, in the pytest process)::
+
+    from multiproc import launch
+    res = launch("keras_multihost_worker:fit", 2, devices_per_process=4, args={"root": str(tmp), "epochs": 2})
+
+`fit` runs SPMD on every process: a tiny deterministic model under `keras.distribution` (a
+ModelParallel whose "model" mesh axis spans the processes, so each process holds its own shards of
+the sharded Dense kernel; or a DataParallel), fed through a `ResumableDataset`, and returns what
+happened (JSON): the error it raised (type and message), the steps, and a digest of every
+variable's global value, equal on every process and across process counts when the state is.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+
+os.environ.setdefault("KERAS_BACKEND", "jax")
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+BATCH, N_TRAIN, N_VAL = 16, 128, 32   # 8 batches an epoch
+
+
+def _distribution(kind: str):
+    import keras
+
+    devices = jax.devices()
+    if kind == "dp":
+        return keras.distribution.DataParallel(devices=devices, auto_shard_dataset=False)
+    # (batch, model) with model = the process: process p holds column p of the mesh, so each writes
+    # the shards of its half of "d1/kernel"; every process feeds the whole global batch
+    grid = np.array(devices).reshape(jax.process_count(), -1).T
+    mesh = keras.distribution.DeviceMesh(grid.shape, ("batch", "model"), devices=grid)
+    layouts = keras.distribution.LayoutMap(mesh)
+    layouts[".*d1/kernel"] = (None, "model")
+    layouts[".*d1/bias"] = ("model",)
+    return keras.distribution.ModelParallel(layout_map=layouts, batch_dim_name="batch", auto_shard_dataset=False)
+
+
+def _model():
+    import keras
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu", name="d1"),
+                              keras.layers.Dropout(0.2, name="drop"),
+                              keras.layers.Dense(1, activation="sigmoid", name="out")], name="net")
+    model.compile(optimizer="adam", loss="binary_crossentropy", metrics=["accuracy"])
+    return model
+
+
+def _dataset():
+    import keras
+
+    from ckpt_callbacks.keras_data import ResumableDataset
+
+    rng = np.random.default_rng(0)
+    x = rng.random((N_TRAIN + N_VAL, 8)).astype("float32")
+    y = (x.sum(1, keepdims=True) > 4).astype("float32")
+
+    class Batches(keras.utils.PyDataset):
+        def __len__(self):
+            return N_TRAIN // BATCH
+
+        def __getitem__(self, i):
+            return x[i * BATCH:(i + 1) * BATCH], y[i * BATCH:(i + 1) * BATCH]
+
+    return ResumableDataset(Batches(), shuffle_seed=0), (x[N_TRAIN:], y[N_TRAIN:])
+
+
+def digest(model) -> str:
+    """A hash of every variable's global value (gathered from all processes)."""
+    from jax.experimental import multihost_utils
+
+    h = hashlib.sha256()
+    for v in model.variables + model.optimizer.variables:
+        value = v.value
+        if isinstance(value, jax.Array) and not value.is_fully_addressable:
+            value = multihost_utils.process_allgather(value, tiled=True)
+        h.update(v.path.encode() + np.asarray(value).tobytes())
+    return h.hexdigest()[:16]
+
+
+def fit(root: str, epochs: int, kind: str = "mp", save_freq=3, exit_at: int | None = None,
+        exit_on_epoch_end: int | None = None, timeout_s: float | None = None) -> dict:
+    """`model.fit` with AsyncCheckpoint(root, save_freq, keep_last=2, keep_best=1) on every process.
+
+    exit_at: every process leaves (``os._exit(17)``) at the begin of that batch of the run (counted
+    from 1), once the save in flight has finished (a job killed between two saves);
+    exit_on_epoch_end: process 1 leaves at the end of that epoch (counted from 1), before
+    AsyncCheckpoint's epoch-end save, while the others go on to save.
+    """
+    import keras
+
+    from ckpt_callbacks.keras import AsyncCheckpoint
+
+    keras.distribution.set_distribution(_distribution(kind))
+    model = _model()
+    data, val = _dataset()
+    kw = {} if timeout_s is None else {"timeout_s": timeout_s}
+    cb = AsyncCheckpoint(root, save_freq=save_freq, data=data, keep_last=2, keep_best=1, **kw)
+
+    class Leave(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.batches = 0
+
+        def on_train_batch_begin(self, batch, logs=None):
+            self.batches += 1
+            if self.batches == exit_at:
+                cb.wait_until_finished()
+                os._exit(17)
+
+        def on_epoch_end(self, epoch, logs=None):
+            if epoch + 1 == exit_on_epoch_end and jax.process_index() == 1:
+                os._exit(17)
+
+    out: dict = {"process_index": jax.process_index(), "error_type": None}
+    try:
+        model.fit(data, validation_data=val, epochs=epochs, shuffle=False, verbose=0, callbacks=[Leave(), cb])
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        out.update(error_type=type(e).__name__, error=str(e))
+        return out
+    stats = cb.manager.last_stats
+    out.update(steps=cb.manager.all_steps(), best=cb.manager.best_step(), resumed=cb.resumed_step,
+               digest=digest(model), bytes_written=stats.bytes_written if stats else None,
+               bytes_total=stats.bytes_total if stats else None,
+               kernel=list(model.get_layer("d1").kernel.value.sharding.spec))
+    return out
