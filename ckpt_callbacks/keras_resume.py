@@ -29,7 +29,7 @@ import math
 
 import keras
 
-from . import keras_state
+from . import keras_state, resume
 from .errors import CheckpointError, ConfigError, IncompatibleCheckpointError
 from .keras_data import ResumableDataset
 from .manager import CheckpointManager
@@ -159,8 +159,8 @@ def restore(cb, step: int) -> None:
             f"{cb.manager.store.url}; "
             f"nothing was loaded. {detail}\nFix: build and compile the same model (layer names and shapes, "
             f"optimizer, metrics) before fit(), or start in a new directory.", e.mismatches) from None
-    try:
-        host = cb.manager.host_state(step) or {}
+    try:   # (a process whose own host state is damaged fails every process, not only itself)
+        host = resume.host_state_together(cb.manager, step) or {}
     except IncompatibleCheckpointError as e:   # saved by another number of processes
         log.warning("ckpt_callbacks: not restoring the host RNG / data state of step %d: %s", step, e)
         host = {}

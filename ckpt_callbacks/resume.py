@@ -17,7 +17,8 @@ order, telling each other after each step how it went (`all_gather` with the man
 so that all restore the same step, fall back past a damaged one together, and raise the same
 class of error together; a named step is read so too where the target spans processes. Any other
 read-only restore, or a named step onto a target each process holds whole, decides alone on
-each process.
+each process. `host_state_together` (AsyncCheckpoint's resume, every process) reads each
+process's own host state and tells the others how that went, so that all raise or none do.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from . import restore as restore_mod
 from .errors import (CheckpointError, CheckpointNotFoundError, ConfigError, CorruptCheckpointError,
                      IncompatibleCheckpointError, StorageUnavailableError)
 
-__all__ = ["read", "collective", "named", "host_state"]
+__all__ = ["read", "collective", "named", "host_state", "host_state_together"]
 
 log = logging.getLogger("ckpt_callbacks")
 
@@ -180,6 +181,35 @@ def agreed_candidates(mngr, fallback: bool, coord) -> list[int]:
     if not steps:
         raise CheckpointNotFoundError(f"no committed checkpoint in {mngr.store.url}")
     return steps
+
+
+def host_state_together(mngr, step: int):
+    """`mngr.host_state(step)` (this process's own) read on every process at once: where it fails
+    on one process (its ``host/p<i>.msgpack`` damaged, storage it cannot reach), every process
+    raises (the others naming it, with the same class of error), rather than that one alone while
+    the others train on into their first collective with it, which then hangs. Called on every
+    process (SPMD) by a writing manager's user after its restore of `step`, e.g. `AsyncCheckpoint`."""
+    state = failure = None
+    try:
+        state = mngr.host_state(step)
+    except Exception as e:  # noqa: BLE001 - told to the others, then raised
+        failure = e
+    if mngr.coord.process_count > 1:
+        mngr._nrestores += 1
+        mine = (b"1" if failure is None else b"0" if isinstance(failure, CorruptCheckpointError)
+                else b"U" if isinstance(failure, StorageUnavailableError) else b"!")
+        oks = mngr.coord.all_gather(f"restore/{mngr._nrestores}/host", mine, mngr.timeout_s)
+        bad = [p for p, ok in enumerate(oks) if ok != b"1"]
+        if failure is None and bad:
+            codes = {oks[p] for p in bad}
+            cls = (CorruptCheckpointError if b"0" in codes else StorageUnavailableError if b"U" in codes
+                   else CheckpointError)
+            failure = cls(f"reading the host state of step {step} failed on process(es) {bad} (see their errors)")
+            if cls is CorruptCheckpointError:
+                failure = named(mngr.store.url, step, failure)
+    if failure is not None:
+        raise failure
+    return state
 
 
 def host_state(mngr, step: int, process_index, remap):

@@ -421,3 +421,21 @@ def test_keras_two_process_checkpoint_resumes_on_one_process_and_on_data_paralle
         (r,) = _ok(launch("keras_multihost_worker:fit", 1, devices_per_process=8, timeout_s=180,
                           args={"root": str(root / "whole"), "epochs": 2, "kind": kind}))
         assert (r["resumed"], r["digest"]) == (16, whole[0]["digest"]), kind
+
+
+def test_keras_resume_onto_a_damaged_host_state_of_one_process_fails_on_every_process(keras_run, tmp_path):
+    """Only process 1 reads host/p1.msgpack: were it alone to raise, process 0 would train on into
+    Keras' first collective with a process that is gone (a hang, or a gloo error)."""
+    import shutil
+    root, _, _ = keras_run
+    run = tmp_path / "run"
+    shutil.copytree(root / "whole", run)
+    blob = run / "step_0000000016" / "host" / "p1.msgpack"
+    data = bytearray(blob.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    blob.write_bytes(bytes(data))
+    res = _ok(launch("keras_multihost_worker:fit", 2, devices_per_process=4, timeout_s=180,
+                     args={"root": str(run), "epochs": 3}))
+    assert [r["error_type"] for r in res] == ["CorruptCheckpointError"] * 2, res
+    assert "host/p1.msgpack" in res[1]["error"] and "process(es) [1]" in res[0]["error"]
+    assert "step 16" in res[0]["error"] and "fallback=True" in res[0]["error"]
