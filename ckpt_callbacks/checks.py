@@ -19,6 +19,7 @@ callback's and Flax hook's constructors, on the caller's thread.
 
 from __future__ import annotations
 
+import math
 import numbers
 
 from . import format as fmt
@@ -26,7 +27,7 @@ from .errors import ConfigError
 from .retention import as_int
 from .treepath import encodable
 
-__all__ = ["check_flag", "check_save_options", "check_step", "check_metrics"]
+__all__ = ["check_flag", "check_save_options", "check_timeout", "check_step", "check_metrics"]
 
 
 def check_flag(name: str, flag) -> None:
@@ -43,6 +44,13 @@ def check_save_options(async_save, max_staging_bytes) -> None:
                                           or not isinstance(max_staging_bytes, numbers.Integral)
                                           or max_staging_bytes < 1):
         raise ConfigError(f"max_staging_bytes must be a positive int (bytes) or None, got {max_staging_bytes!r}")
+
+
+def check_timeout(timeout_s) -> None:
+    """ConfigError unless `timeout_s` is a positive, finite number of seconds (also checked by the
+    Keras callback when it is constructed, before its manager is)."""
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, numbers.Real) or not 0 < timeout_s < math.inf:
+        raise ConfigError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
 
 
 def check_step(step) -> int:

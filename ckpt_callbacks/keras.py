@@ -62,7 +62,7 @@ from collections.abc import Mapping
 import keras
 
 from . import keras_policy, keras_resume, keras_state
-from .checks import check_flag, check_save_options
+from .checks import check_flag, check_save_options, check_timeout
 from .errors import ConfigError
 from .keras_data import ResumableDataset
 from .manager import CheckpointManager
@@ -140,6 +140,10 @@ class AsyncCheckpoint(keras.callbacks.Callback):
         exact resume). Required with an int `save_freq`; ``data=False`` accepts restarting an
         interrupted epoch from its first batch (its earlier batches are trained on twice).
       async_save, max_staging_bytes: passed to `CheckpointManager`.
+      timeout_s: passed to `CheckpointManager`: with several processes, how long a save or the
+        resume waits for the others; a process that died makes the survivors' next save raise
+        `CheckpointSaveError` after it. Keep it below half of JAX's heartbeat timeout, which
+        otherwise terminates the survivors first, raising nothing (docs/multihost.md).
       verbose: 1 prints a line per resume and per save.
     """
 
@@ -148,7 +152,8 @@ class AsyncCheckpoint(keras.callbacks.Callback):
     def __init__(self, directory, *, save_freq="epoch", monitor: str = "val_loss", mode: str = "auto",
                  initial_value_threshold: float | None = None, retention=None, keep_last: int | None = None,
                  keep_best: int | bool | None = None, resume: bool = True, data=None, async_save: bool = True,
-                 max_staging_bytes: int | None = None, verbose: int = 0, fallback: bool = False):
+                 max_staging_bytes: int | None = None, verbose: int = 0, fallback: bool = False,
+                 timeout_s: float = 600.0):
         super().__init__()
         _ALL.add(self)
         if keras.config.backend() != "jax":
@@ -170,6 +175,7 @@ class AsyncCheckpoint(keras.callbacks.Callback):
         check_flag("resume", resume)
         check_flag("fallback", fallback)
         check_save_options(async_save, max_staging_bytes)
+        check_timeout(timeout_s)
         if keep_best is True:
             keep_best = 1
         if keep_best is False:
@@ -199,7 +205,7 @@ class AsyncCheckpoint(keras.callbacks.Callback):
         self.initial_value_threshold = initial_value_threshold
         self.keep_last, self.keep_best = keep_last, keep_best
         self.resume, self.data, self.verbose = resume, data, verbose
-        self.async_save, self.max_staging_bytes = async_save, max_staging_bytes
+        self.async_save, self.max_staging_bytes, self.timeout_s = async_save, max_staging_bytes, timeout_s
         self.manager: CheckpointManager | None = None
         self.best: float | None = None
         self.resumed_step: int | None = None     # step restored by the last on_train_begin, or None
@@ -270,7 +276,8 @@ class AsyncCheckpoint(keras.callbacks.Callback):
         keras_state.state_tree(self.model)   # a model whose state cannot be saved fails now, not after an epoch
         self._mode = keras_policy.resolved_mode(self)
         self.manager = CheckpointManager(self.directory, retention=keras_policy.policies(self, self._mode),
-                                         async_save=self.async_save, max_staging_bytes=self.max_staging_bytes)
+                                         async_save=self.async_save, max_staging_bytes=self.max_staging_bytes,
+                                         timeout_s=self.timeout_s)
         self._open = True
         self._fit_thread = threading.current_thread()
         _OPEN[_dir_key(self.directory)] = (weakref.ref(self), weakref.ref(self.manager), self._fit_thread)

@@ -40,8 +40,6 @@ next start; object stores: see docs/storage.md).
 from __future__ import annotations
 
 import logging
-import math
-import numbers
 import os
 import queue
 import threading
@@ -51,7 +49,7 @@ import msgpack
 
 from . import agreement, coordination, hostmem, lock, retain, resume, shutdown, snapshot
 from . import format as fmt
-from .checks import check_flag, check_metrics, check_save_options, check_step
+from .checks import check_flag, check_metrics, check_save_options, check_step, check_timeout
 from .errors import CheckpointError, CheckpointNotFoundError, ConfigError, CorruptCheckpointError
 from .retention import StepInfo, as_int, as_policies, best_policy
 from .storage import open_store
@@ -104,8 +102,7 @@ class CheckpointManager:
             raise ConfigError(f"save_interval_steps must be a positive int, got {save_interval_steps!r}")
         save_interval_steps = interval
         check_save_options(async_save, max_staging_bytes)
-        if isinstance(timeout_s, bool) or not isinstance(timeout_s, numbers.Real) or not 0 < timeout_s < math.inf:
-            raise ConfigError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+        check_timeout(timeout_s)
         check_flag("read_only", read_only)
         if not callable(clock):
             raise ConfigError(f"clock must be a callable returning the time in seconds (like time.time), got {clock!r}")

@@ -753,7 +753,8 @@ def test_configuration_errors(ckdir):
            ({"initial_value_threshold": float("nan")}, "initial_value_threshold"),
            ({"resume": "no"}, "resume"), ({"fallback": 1}, "fallback"), ({"monitor": None}, "monitor"),
            ({"max_staging_bytes": "64MB"}, "max_staging_bytes"), ({"verbose": "yes"}, "verbose"),
-           ({"verbose": 5}, "verbose must be 0 .* or 1")]
+           ({"verbose": 5}, "verbose must be 0 .* or 1"), ({"timeout_s": 0}, "timeout_s"),
+           ({"timeout_s": "60"}, "timeout_s")]
     for kwargs, match in bad:   # at construction, not in the middle of fit()
         with pytest.raises(cc.ConfigError, match=match):
             AsyncCheckpoint(ckdir, **kwargs)

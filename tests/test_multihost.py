@@ -439,3 +439,15 @@ def test_keras_resume_onto_a_damaged_host_state_of_one_process_fails_on_every_pr
     assert [r["error_type"] for r in res] == ["CorruptCheckpointError"] * 2, res
     assert "host/p1.msgpack" in res[1]["error"] and "process(es) [1]" in res[0]["error"]
     assert "step 16" in res[0]["error"] and "fallback=True" in res[0]["error"]
+
+
+def test_keras_survivor_of_a_process_that_died_before_the_epoch_end_save_raises_within_timeout_s(tmp_path):
+    """AsyncCheckpoint(timeout_s=...) reaches the manager: the survivor's save raises a
+    CheckpointSaveError within it (with the default 600 s, JAX's heartbeat ends it first, silently)."""
+    pytest.importorskip("keras")
+    res = launch("keras_multihost_worker:fit", 2, devices_per_process=4, timeout_s=180,
+                 args={"root": str(tmp_path / "run"), "epochs": 2, "exit_on_epoch_end": 1, "timeout_s": 4})
+    assert res[1].returncode == 17 and res[0].ok, res[0].describe()
+    r = res[0].result
+    assert r["error_type"] == "CoordinationTimeoutError" and "within 4s" in r["error"], r
+    assert "silent: process 1" in r["error"]
