@@ -29,7 +29,7 @@ import math
 
 import keras
 
-from . import keras_state, resume
+from . import coordination, keras_state, resume
 from .errors import CheckpointError, ConfigError, IncompatibleCheckpointError
 from .keras_data import ResumableDataset
 from .manager import CheckpointManager
@@ -86,14 +86,16 @@ def position_data(cb) -> int | None:
     none or it holds no state for this process (as `on_train_begin` treats it). Any other
     failure (e.g. unreachable storage) is raised: into `fit`, from its input. With `fallback`,
     the newest step that reads intact (verified first: a resume then reads that step twice)."""
-    with CheckpointManager(cb.directory, read_only=True) as manager:
+    with CheckpointManager(cb.directory, read_only=True, timeout_s=cb.timeout_s) as manager:
         step = manager.latest_step()
         if step is None:
             return None
         if cb.fallback:   # the step on_train_begin will restore: the newest that reads intact
             step = newest_intact(manager, step)
-        try:
-            state = (manager.host_state(step) or {}).get("data")
+        try:   # read on every process at once: one that fails alone would leave the others in Keras'
+            # first collective over the batches it reads (a damaged host/p<i>.msgpack fails them all)
+            coord = coordination.for_collective_read(manager.coord, manager.store.url)
+            state = (resume.host_state_together(manager, step, coord) or {}).get("data")
         except IncompatibleCheckpointError:   # another process count: on_train_begin warns
             return None
     if state is None:

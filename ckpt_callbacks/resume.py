@@ -183,22 +183,24 @@ def agreed_candidates(mngr, fallback: bool, coord) -> list[int]:
     return steps
 
 
-def host_state_together(mngr, step: int):
+def host_state_together(mngr, step: int, coord=None):
     """`mngr.host_state(step)` (this process's own) read on every process at once: where it fails
     on one process (its ``host/p<i>.msgpack`` damaged, storage it cannot reach), every process
     raises (the others naming it, with the same class of error), rather than that one alone while
     the others train on into their first collective with it, which then hangs. Called on every
-    process (SPMD) by a writing manager's user after its restore of `step`, e.g. `AsyncCheckpoint`."""
+    process (SPMD) by a writing manager's user after its restore of `step`, e.g. `AsyncCheckpoint`;
+    a read-only manager's passes `coord`, a scope of its own (`coordination.for_collective_read`)."""
+    coord = coord if coord is not None else mngr.coord
     state = failure = None
     try:
         state = mngr.host_state(step)
     except Exception as e:  # noqa: BLE001 - told to the others, then raised
         failure = e
-    if mngr.coord.process_count > 1:
+    if coord.process_count > 1:
         mngr._nrestores += 1
         mine = (b"1" if failure is None else b"0" if isinstance(failure, CorruptCheckpointError)
                 else b"U" if isinstance(failure, StorageUnavailableError) else b"!")
-        oks = mngr.coord.all_gather(f"restore/{mngr._nrestores}/host", mine, mngr.timeout_s)
+        oks = coord.all_gather(f"restore/{mngr._nrestores}/host", mine, mngr.timeout_s)
         bad = [p for p, ok in enumerate(oks) if ok != b"1"]
         if failure is None and bad:
             codes = {oks[p] for p in bad}

@@ -71,6 +71,27 @@ def _dataset():
     return ResumableDataset(Batches(), shuffle_seed=0), (x[N_TRAIN:], y[N_TRAIN:])
 
 
+class _Iterator:
+    """The dataset's batches in order, endlessly, with Grain's get_state()/set_state()."""
+
+    def __init__(self, ds):
+        self.ds, self.pos = ds, 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        batch = self.ds.dataset[self.pos % len(self.ds.dataset)]
+        self.pos += 1
+        return batch
+
+    def get_state(self):
+        return {"pos": self.pos}
+
+    def set_state(self, state):
+        self.pos = state["pos"]
+
+
 def digest(model) -> str:
     """A hash of every variable's global value (gathered from all processes)."""
     from jax.experimental import multihost_utils
@@ -85,7 +106,7 @@ def digest(model) -> str:
 
 
 def fit(root: str, epochs: int, kind: str = "mp", save_freq=3, exit_at: int | None = None,
-        exit_on_epoch_end: int | None = None, timeout_s: float | None = None) -> dict:
+        exit_on_epoch_end: int | None = None, timeout_s: float | None = None, iterator: bool = False) -> dict:
     """`model.fit` with AsyncCheckpoint(root, save_freq, keep_last=2, keep_best=1) on every process.
 
     exit_at: every process leaves (``os._exit(17)``) at the begin of that batch of the run (counted
@@ -101,7 +122,10 @@ def fit(root: str, epochs: int, kind: str = "mp", save_freq=3, exit_at: int | No
     model = _model()
     data, val = _dataset()
     kw = {} if timeout_s is None else {"timeout_s": timeout_s}
+    if iterator:   # a get_state()/set_state() iterator over the same batches, fed through cb.batches()
+        data = _Iterator(data)
     cb = AsyncCheckpoint(root, save_freq=save_freq, data=data, keep_last=2, keep_best=1, **kw)
+    fit_input = dict(x=cb.batches(), steps_per_epoch=N_TRAIN // BATCH) if iterator else dict(x=data)
 
     class Leave(keras.callbacks.Callback):
         def __init__(self):
@@ -120,7 +144,7 @@ def fit(root: str, epochs: int, kind: str = "mp", save_freq=3, exit_at: int | No
 
     out: dict = {"process_index": jax.process_index(), "error_type": None}
     try:
-        model.fit(data, validation_data=val, epochs=epochs, shuffle=False, verbose=0, callbacks=[Leave(), cb])
+        model.fit(**fit_input, validation_data=val, epochs=epochs, shuffle=False, verbose=0, callbacks=[Leave(), cb])
     except Exception as e:  # noqa: BLE001 - reported to the test
         out.update(error_type=type(e).__name__, error=str(e))
         return out

@@ -441,6 +441,24 @@ def test_keras_resume_onto_a_damaged_host_state_of_one_process_fails_on_every_pr
     assert "step 16" in res[0]["error"] and "fallback=True" in res[0]["error"]
 
 
+def test_keras_batches_over_an_iterator_whose_host_state_is_damaged_on_one_process_fail_on_every_process(tmp_path):
+    """cb.batches() positions each process's iterator before fit() reads from it: were process 1
+    alone to raise there, process 0 would wait in Keras' collective over the first batches."""
+    pytest.importorskip("keras")
+    run = tmp_path / "run"
+    args = {"root": str(run), "epochs": 1, "save_freq": "epoch", "iterator": True}
+    assert [r["steps"] for r in _ok(launch("keras_multihost_worker:fit", 2, devices_per_process=4,
+                                           timeout_s=180, args=args))] == [[8], [8]]
+    blob = run / "step_0000000008" / "host" / "p1.msgpack"
+    data = bytearray(blob.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    blob.write_bytes(bytes(data))
+    res = _ok(launch("keras_multihost_worker:fit", 2, devices_per_process=4, timeout_s=180,
+                     args=dict(args, epochs=2)))
+    assert [r["error_type"] for r in res] == ["CorruptCheckpointError"] * 2, res
+    assert "host/p1.msgpack" in res[1]["error"] and "process(es) [1]" in res[0]["error"]
+
+
 def test_keras_survivor_of_a_process_that_died_before_the_epoch_end_save_raises_within_timeout_s(tmp_path):
     """AsyncCheckpoint(timeout_s=...) reaches the manager: the survivor's save raises a
     CheckpointSaveError within it (with the default 600 s, JAX's heartbeat ends it first, silently)."""
