@@ -75,6 +75,7 @@ import time
 
 import numpy as np
 
+from . import resume
 from .checks import check_step
 from .errors import CheckpointError, ConfigError, IncompatibleCheckpointError
 from .manager import CheckpointManager
@@ -301,7 +302,9 @@ class CheckpointHook:
             restored = self.manager.restore(step, target=state_tree(state))
         if self.data_iterator is not None:
             try:
-                hs = self.manager.host_state(step, remap=iterator_remap)
+                # read on every process at once: one failing alone would leave the others training
+                # into their first collective with it (a damaged host/p<i>.msgpack fails them all)
+                hs = resume.host_state_together(self.manager, step, remap=iterator_remap)
             except IncompatibleCheckpointError as e:
                 raise IncompatibleCheckpointError(
                     f"{e}\nWith CheckpointHook: pass restore_or_init(..., iterator_remap=...) with that "

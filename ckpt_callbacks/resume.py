@@ -183,17 +183,18 @@ def agreed_candidates(mngr, fallback: bool, coord) -> list[int]:
     return steps
 
 
-def host_state_together(mngr, step: int, coord=None):
+def host_state_together(mngr, step: int, coord=None, **kw):
     """`mngr.host_state(step)` (this process's own) read on every process at once: where it fails
     on one process (its ``host/p<i>.msgpack`` damaged, storage it cannot reach), every process
     raises (the others naming it, with the same class of error), rather than that one alone while
     the others train on into their first collective with it, which then hangs. Called on every
     process (SPMD) by a writing manager's user after its restore of `step`, e.g. `AsyncCheckpoint`;
-    a read-only manager's passes `coord`, a scope of its own (`coordination.for_collective_read`)."""
+    a read-only manager's passes `coord`, a scope of its own (`coordination.for_collective_read`);
+    `kw` (``remap=``) go to `host_state`. `CheckpointHook.restore_or_init` reads through it too."""
     coord = coord if coord is not None else mngr.coord
     state = failure = None
     try:
-        state = mngr.host_state(step)
+        state = mngr.host_state(step, **kw)
     except Exception as e:  # noqa: BLE001 - told to the others, then raised
         failure = e
     if coord.process_count > 1:

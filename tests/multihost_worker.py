@@ -485,3 +485,49 @@ def resume(root: str) -> dict:
         out["steps"] = mngr.all_steps()
         out["restore2"] = check(mngr.restore(2, target=abstract(m, seed=2)), seed=2)
     return out
+
+
+class _Position:
+    """A data iterator with Grain's get_state()/set_state() protocol: its position only."""
+
+    def __init__(self):
+        self.pos = 0
+
+    def get_state(self):
+        return {"pos": self.pos}
+
+    def set_state(self, state):
+        self.pos = state["pos"]
+
+
+def flax_damaged_host_state(root: str) -> dict:
+    """A Flax loop saves steps 1-2 with a data iterator; process 1's host state of step 2 is then
+    damaged; a fresh hook's restore_or_init must fail on every process: process 0 alone returned
+    (and would have trained on into its first collective with a process that had raised)."""
+    from jax.experimental import multihost_utils
+
+    from ckpt_callbacks.flax import CheckpointHook
+    m = mesh((2, 4))
+    state = {"w": jax.device_put(np.ones((8, 8), np.float32), NamedSharding(m, P("a", "b")))}
+    it = _Position()
+    with cc.CheckpointManager(root, timeout_s=60) as mngr:
+        hook = CheckpointHook(mngr, every_steps=1, data_iterator=it, preemption_signals=())
+        for step in (1, 2):
+            it.pos = 10 * step + jax.process_index()
+            hook(step, state)
+        hook.close()
+    if jax.process_index() == 1:
+        blob = os.path.join(root, "step_0000000002", "host", "p1.msgpack")
+        data = bytearray(open(blob, "rb").read())
+        data[len(data) // 2] ^= 0xFF
+        open(blob, "wb").write(bytes(data))
+    multihost_utils.sync_global_devices("damaged")
+    with cc.CheckpointManager(root, timeout_s=60) as mngr:
+        hook = CheckpointHook(mngr, every_steps=1, preemption_signals=())
+        try:
+            hook.restore_or_init(state, data_iterator=_Position())
+            return {"error": None}
+        except cc.CheckpointError as e:
+            return {"error": [type(e).__name__, str(e)]}
+        finally:
+            hook.close()

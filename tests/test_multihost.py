@@ -469,3 +469,12 @@ def test_keras_survivor_of_a_process_that_died_before_the_epoch_end_save_raises_
     r = res[0].result
     assert r["error_type"] == "CoordinationTimeoutError" and "within 4s" in r["error"], r
     assert "silent: process 1" in r["error"]
+
+
+def test_flax_resume_onto_a_damaged_host_state_of_one_process_fails_on_every_process(tmp_path):
+    """As for Keras: only process 1 reads host/p1.msgpack; process 0's restore_or_init returned
+    while process 1's raised, and process 0 would have trained on into a collective with it."""
+    res = _ok(launch("multihost_worker:flax_damaged_host_state", 2, devices_per_process=4, timeout_s=180,
+                     args={"root": str(tmp_path / "run")}))
+    assert [r["error"] and r["error"][0] for r in res] == ["CorruptCheckpointError"] * 2, res
+    assert "host/p1.msgpack" in res[1]["error"][1] and "process(es) [1]" in res[0]["error"][1]
