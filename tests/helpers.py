@@ -85,3 +85,21 @@ def skip_without_direct_io(directory) -> None:
     finally:
         os.close(fd)
         os.unlink(probe)
+
+
+def objects_kept_by_restores(mngr, step: int, rounds: int) -> int:
+    """How many Python objects `rounds` restores and verifies of `step` leave behind (after three
+    warm-up rounds): a leak per read (tensorstore's Spec.to_json) grows it with every round."""
+    import gc
+
+    from ckpt_callbacks import verify
+    for _ in range(3):
+        mngr.restore(step), verify.verify_step(mngr.store, step)
+    gc.collect()
+    before = len(gc.get_objects())
+    for _ in range(rounds):
+        out = mngr.restore(step)
+        assert verify.verify_step(mngr.store, step) == []
+    del out
+    gc.collect()
+    return len(gc.get_objects()) - before
