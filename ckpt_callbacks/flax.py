@@ -77,7 +77,7 @@ import numpy as np
 
 from . import resume
 from .checks import check_step
-from .errors import CheckpointError, ConfigError, IncompatibleCheckpointError
+from .errors import CheckpointError, CheckpointNotFoundError, ConfigError, IncompatibleCheckpointError
 from .manager import CheckpointManager
 from .shutdown import close_on_exit
 from .preemption import Preempted, PreemptionWatcher
@@ -269,7 +269,8 @@ class CheckpointHook:
     # -- start ------------------------------------------------------------------------------------
     def restore_or_init(self, state, data_iterator=None, *, iterator_remap=None, fallback: bool = False):
         """Return ``(state, start_step)``: the latest committed checkpoint applied to `state`, or
-        ``(state, 0)`` when there is none.
+        ``(state, 0)`` when there is none. With several processes, process 0 picks the step
+        (`CheckpointManager.restore`) and every process resumes from it.
 
         Example::
 
@@ -289,17 +290,18 @@ class CheckpointHook:
         self._check_open()
         if data_iterator is not None:
             self.data_iterator = _checked_iterator(data_iterator)
-        step = self.manager.latest_step()
-        if step is None:
+        try:
+            # the latest step as process 0 lists it (after a save in flight): each process listing
+            # for itself could resume one from a step and another from scratch, silently
+            restored = self.manager.restore(target=state_tree(state), fallback=fallback)
+        except CheckpointNotFoundError as e:
+            if getattr(e, "deleted", False):   # deleted while read, again and again: not "no checkpoint"
+                raise
             self._last_step, self._last_save_time = 0, self.clock()
             return state, 0
-        if fallback:
-            restored = self.manager.restore(target=state_tree(state), fallback=True)
-            latest, step = step, self.manager.restored_step
-            # the damaged steps after it: the resumed run saves those step numbers anew, over them
-            self._replace = {s for s in self.manager.all_steps() if step < s <= latest}
-        else:
-            restored = self.manager.restore(step, target=state_tree(state))
+        step = self.manager.restored_step
+        if fallback:   # the damaged steps after it: the resumed run saves those step numbers anew, over them
+            self._replace = {s for s in self.manager.all_steps() if s > step}
         if self.data_iterator is not None:
             try:
                 # read on every process at once: one failing alone would leave the others training

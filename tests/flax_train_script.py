@@ -185,6 +185,21 @@ def two_hooks_on_one_manager(root: str) -> dict:
     return {"started": started, "steps": steps}
 
 
+def restore_while_a_save_commits(root: str) -> dict:
+    """Run in each of 2 processes: a manager of the user's saves step 1, and a hook on it resumes
+    at once. Process 0 (slower here) lists after the commit landed, process 1 before it: each
+    deciding for itself, process 0 restored step 1 while process 1 started afresh at step 0."""
+    mngr = cc.CheckpointManager(root, timeout_s=30)
+    mngr.save(1, {"w": np.ones(4, np.float32)})
+    if jax.process_index() == 0:
+        mngr.wait_until_finished()
+    hook = CheckpointHook(mngr, every_steps=100, preemption_signals=())
+    state, step = hook.restore_or_init({"w": np.zeros(4, np.float32)})
+    hook.close()
+    mngr.close()
+    return {"step": step, "w": state["w"].tolist()}
+
+
 def main():
     jax.config.update("jax_num_cpu_devices", 2)     # before any device is used
     jax.config.update("jax_platforms", "cpu")

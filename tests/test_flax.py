@@ -138,6 +138,15 @@ def test_a_second_hook_on_a_shared_manager_of_two_processes_reuses_no_agreement_
     assert a == b == {"started": [False, True, False, False, True, False], "steps": [2, 4]}
 
 
+def test_restore_or_init_on_two_processes_resumes_every_process_from_the_same_step(tmp_path):
+    """Each process listed the latest step for itself: with a save of the user's manager landing
+    meanwhile, process 0 restored step 1 and process 1 started afresh at step 0, silently."""
+    from multiproc import launch
+    res = launch("flax_train_script:restore_while_a_save_commits", 2, devices_per_process=2, timeout_s=240,
+                 args={"root": str(tmp_path / "ckpt")}).raise_if_failed()
+    assert res.values == [{"step": 1, "w": [1.0] * 4}] * 2, res.values
+
+
 # -- in-process: a sharded NNX model -----------------------------------------------------------------
 
 class Sharded(nnx.Module):
