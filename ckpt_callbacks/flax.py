@@ -412,13 +412,19 @@ class CheckpointHook:
         """
         self._check_open()
         step = _as_step(step)
-        host = None
-        if self.data_iterator is not None:
-            host = {_ITER_KEY: self.data_iterator.get_state()}
+        tree = host = refused = None
+        try:
+            tree = state_tree(state)
+            if self.data_iterator is not None:
+                host = {_ITER_KEY: self.data_iterator.get_state()}
+        except Exception as e:  # noqa: BLE001 - one process alone: the others hear of it in the save
+            if self.coord.process_count == 1:
+                raise
+            refused = e   # raised here by the manager, after every process refused the call at once
         # the hook decides when (not the manager's interval), and never replaces a committed step
         # (which the manager finds out, for every process alike, and skips quietly)
-        started = self.manager._save(step, state_tree(state), metrics=metrics, host_state=host, due=True,
-                                     quiet=True, replace=step in self._replace)
+        started = self.manager._save(step, tree, metrics=metrics, host_state=host, due=True,
+                                     quiet=True, replace=step in self._replace, refused=refused)
         self._replace.discard(step)
         if started:
             self.last_saved_step = step

@@ -187,14 +187,16 @@ class CheckpointManager:
 
     def _save(self, step, tree, **kw) -> bool:
         """`save`; also `CheckpointHook.save`'s: `due` skips the interval check, `replace` allows
-        replacing a committed step, `quiet` skips a committed step without a warning. Calls from
+        replacing a committed step, `quiet` skips a committed step without a warning, `refused` is
+        the caller's own failure in building the call (the hook's data iterator), told to the other
+        processes and raised as this process's refusal of the call. Calls from
         several threads take turns: each waits for the save before it (as one thread's would)."""
         self._check_process()   # (before the turn: a child's copy of it may be held for good)
         with self._turn:
             return self._save_in_turn(step, tree, **kw)
 
     def _save_in_turn(self, step, tree, *, metrics=None, host_state=None, due=False, replace=False,
-                      quiet=False) -> bool:
+                      quiet=False, refused: Exception | None = None) -> bool:
         if self._closed or self.read_only:
             raise CheckpointError("save on a closed or read-only CheckpointManager")
         step = check_step(step)
@@ -202,8 +204,10 @@ class CheckpointManager:
             self._wait()
         if not due and step % self.save_interval_steps:
             return False
-        refused = None   # this process's checks of the call: told to the others, who refuse it too
+        # this process's checks of the call: told to the others, who refuse it too
         try:
+            if refused is not None:
+                raise refused
             if self._locked:
                 lock.check(self.store.root)
             metrics = check_metrics(metrics)

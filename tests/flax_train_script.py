@@ -17,6 +17,7 @@ import json
 import os
 import stat
 import sys
+import time
 
 import signal
 
@@ -198,6 +199,44 @@ def restore_while_a_save_commits(root: str) -> dict:
     hook.close()
     mngr.close()
     return {"step": step, "w": state["w"].tolist()}
+
+
+class _FailingOnce:
+    """A data position whose `get_state` fails once, at `fail_at`, on this process only."""
+
+    def __init__(self, fail_at):
+        self.pos, self.fail_at = 0, fail_at
+
+    def get_state(self):
+        if self.pos == self.fail_at:
+            self.fail_at = None
+            raise RuntimeError(f"get_state failed at position {self.pos}")
+        return {"pos": self.pos}
+
+    def set_state(self, state):
+        self.pos = state["pos"]
+
+
+def iterator_fails_on_one_process(root: str) -> dict:
+    """Run in each of 2 processes: process 1's data iterator fails to give its state at step 2.
+    Process 1 raised alone, before its save's agreement; process 0 waited in it for timeout_s (or
+    until JAX's heartbeat ended it, raising nothing), and their save counters stayed apart."""
+    it = _FailingOnce(2 if jax.process_index() == 1 else None)
+    mngr = cc.CheckpointManager(root, timeout_s=20)
+    hook = CheckpointHook(mngr, every_steps=1, data_iterator=it, preemption_signals=())
+    errors = []
+    for step in (1, 2, 3):
+        it.pos = step
+        t0 = time.monotonic()
+        try:
+            hook(step, {"w": np.full(4, step, np.float32)})
+            errors.append(None)
+        except Exception as e:  # noqa: BLE001 - reported to the test
+            errors.append([type(e).__name__, str(e), round(time.monotonic() - t0, 1)])
+    hook.close()
+    mngr.close()
+    steps = mngr.all_steps()
+    return {"errors": errors, "steps": steps, "host": mngr.host_state(3) if 3 in steps else None}
 
 
 def main():

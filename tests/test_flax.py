@@ -147,6 +147,20 @@ def test_restore_or_init_on_two_processes_resumes_every_process_from_the_same_st
     assert res.values == [{"step": 1, "w": [1.0] * 4}] * 2, res.values
 
 
+def test_a_data_iterator_that_fails_on_one_of_two_processes_fails_that_save_on_both_at_once(tmp_path):
+    """Process 1 raised alone before its save's agreement: process 0 waited there for the manager's
+    timeout_s (JAX's heartbeat ends it first with the defaults, raising nothing)."""
+    from multiproc import launch
+    res = launch("flax_train_script:iterator_fails_on_one_process", 2, devices_per_process=2, timeout_s=240,
+                 args={"root": str(tmp_path / "ckpt")}).raise_if_failed()
+    a, b = res.values
+    assert a["errors"][0] is None and a["errors"][2] is None and b["errors"][0] is None and b["errors"][2] is None
+    assert b["errors"][1][:2] == ["RuntimeError", "get_state failed at position 2"], b
+    assert a["errors"][1][0] == "CheckpointSaveError" and "process(es) [1] refused the call" in a["errors"][1][1], a
+    assert "get_state failed" in a["errors"][1][1] and a["errors"][1][2] < 10, a
+    assert a["steps"] == b["steps"] == [1, 3] and a["host"] == b["host"] == {"data_iterator": {"pos": 3}}
+
+
 # -- in-process: a sharded NNX model -----------------------------------------------------------------
 
 class Sharded(nnx.Module):
