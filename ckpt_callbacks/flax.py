@@ -76,7 +76,7 @@ import time
 import numpy as np
 
 from . import resume
-from .checks import check_step
+from .checks import check_step, check_timeout
 from .errors import CheckpointError, CheckpointNotFoundError, ConfigError, IncompatibleCheckpointError
 from .manager import CheckpointManager
 from .shutdown import close_on_exit
@@ -208,13 +208,18 @@ class CheckpointHook:
       on_preemption: ``"flag"`` (set `should_stop`) or ``"raise"`` (raise `Preempted`).
       preemption_signals: signals that mean "preempted" (default SIGTERM); ``()`` watches none.
       async_save: passed to the manager the hook creates.
+      timeout_s: passed to the manager the hook creates (None: its default, 600 s): with several
+        processes, how long a hook call, save or restore waits for the others; a process that
+        died makes the survivors' next hook call raise `CheckpointSaveError` after it. Keep it
+        below half of JAX's heartbeat timeout, which otherwise terminates the survivors first,
+        raising nothing (docs/multihost.md).
       clock: seconds, monotonic; inject for tests of `every_secs`.
     """
 
     def __init__(self, directory_or_manager, *, every_steps: int | None = None, every_secs: float | None = None,
                  on_steps=None, retention=None, data_iterator=None, save_on_eval: bool = True,
                  on_preemption: str = "flag", preemption_signals=(signal.SIGTERM,), async_save: bool = True,
-                 clock=time.monotonic):
+                 timeout_s: float | None = None, clock=time.monotonic):
         self.every_steps = _positive_or_none("every_steps", every_steps)
         self.every_secs = _positive_or_none("every_secs", every_secs, float)
         try:
@@ -247,13 +252,16 @@ class CheckpointHook:
         self.save_on_eval = bool(save_on_eval)
         self.data_iterator = _checked_iterator(data_iterator)
         self.clock = clock
+        if timeout_s is not None:
+            check_timeout(timeout_s)
         if isinstance(directory_or_manager, CheckpointManager):
-            if retention is not None or async_save is not True:
-                raise ConfigError("retention= and async_save= are for the manager the hook creates; you passed a "
-                                  "CheckpointManager: give them to it instead")
+            if retention is not None or async_save is not True or timeout_s is not None:
+                raise ConfigError("retention=, async_save= and timeout_s= are for the manager the hook creates; you "
+                                  "passed a CheckpointManager: give them to it instead")
             self.manager, self._owns_manager = directory_or_manager, False
         else:
-            self.manager = CheckpointManager(directory_or_manager, retention=retention, async_save=async_save)
+            self.manager = CheckpointManager(directory_or_manager, retention=retention, async_save=async_save,
+                                             **({} if timeout_s is None else {"timeout_s": timeout_s}))
             self._owns_manager = True
         self.coord = self.manager.coord
         self.should_stop = False

@@ -239,6 +239,24 @@ def iterator_fails_on_one_process(root: str) -> dict:
     return {"errors": errors, "steps": steps, "host": mngr.host_state(3) if 3 in steps else None}
 
 
+def survivor_of_a_dead_process(root: str, timeout_s: float) -> dict:
+    """Run in each of 2 processes: process 1 dies after step 1; process 0's next hook call must
+    raise within the hook's `timeout_s` (the hook had none: with the manager's 600 s, JAX's
+    heartbeat terminates the survivor first, raising nothing)."""
+    hook = CheckpointHook(root, every_steps=1, preemption_signals=(), timeout_s=timeout_s)
+    state, step = hook.restore_or_init({"w": np.zeros(4, np.float32)})
+    hook(1, state)
+    hook.wait_until_finished()
+    if jax.process_index() == 1:
+        os._exit(17)
+    t0 = time.monotonic()
+    try:
+        hook(2, state)
+        return {"error": None}
+    except cc.CheckpointError as e:
+        return {"error_type": type(e).__name__, "error": str(e), "waited_s": time.monotonic() - t0}
+
+
 def main():
     jax.config.update("jax_num_cpu_devices", 2)     # before any device is used
     jax.config.update("jax_platforms", "cpu")

@@ -161,6 +161,18 @@ def test_a_data_iterator_that_fails_on_one_of_two_processes_fails_that_save_on_b
     assert a["steps"] == b["steps"] == [1, 3] and a["host"] == b["host"] == {"data_iterator": {"pos": 3}}
 
 
+def test_a_survivor_of_a_process_that_died_raises_within_the_hook_s_timeout_s(tmp_path):
+    """CheckpointHook(timeout_s=...) reaches the manager it creates: the survivor's next hook call
+    raises within it (the hook had no timeout_s; with 600 s, JAX's heartbeat ends it first, silently)."""
+    from multiproc import launch
+    res = launch("flax_train_script:survivor_of_a_dead_process", 2, devices_per_process=2, timeout_s=240,
+                 args={"root": str(tmp_path / "ckpt"), "timeout_s": 4})
+    assert res[1].returncode == 17 and res[0].ok, res[0].describe()
+    r = res[0].result
+    assert r["error_type"] == "CoordinationTimeoutError" and "within 4s" in r["error"], r
+    assert "silent: process 1" in r["error"] and r["waited_s"] < 30, r
+
+
 # -- in-process: a sharded NNX model -----------------------------------------------------------------
 
 class Sharded(nnx.Module):
@@ -600,6 +612,11 @@ def test_schedule_numbers_are_checked_alike_numpy_or_not(ckdir):
     with cc.CheckpointManager(ckdir) as m:
         with pytest.raises(cc.ConfigError, match="async_save="):
             CheckpointHook(m, async_save=False, preemption_signals=())
+        with pytest.raises(cc.ConfigError, match="timeout_s="):
+            CheckpointHook(m, timeout_s=30, preemption_signals=())
+    for bad in (0, "60", float("inf"), True):
+        with pytest.raises(cc.ConfigError, match="timeout_s must be a positive number"):
+            CheckpointHook(ckdir, timeout_s=bad, preemption_signals=())
 
 
 def test_a_step_going_backwards_is_warned_about_once(ckdir, caplog):
