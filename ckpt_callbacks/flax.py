@@ -73,11 +73,13 @@ import signal
 import sys
 import time
 
+import msgpack
 import numpy as np
 
 from . import resume
 from .checks import check_step, check_timeout
-from .errors import CheckpointError, CheckpointNotFoundError, ConfigError, IncompatibleCheckpointError
+from .errors import (CheckpointError, CheckpointNotFoundError, CheckpointSaveError, ConfigError,
+                     IncompatibleCheckpointError)
 from .manager import CheckpointManager
 from .shutdown import close_on_exit
 from .preemption import Preempted, PreemptionWatcher
@@ -379,9 +381,13 @@ class CheckpointHook:
         True (or `Preempted` is raised with ``on_preemption="raise"``).
         """
         self._check_open()
-        step = _as_step(step)
-        if metrics is not None and not isinstance(metrics, dict):
-            raise ConfigError(f"metrics must be a dict of str -> number, got {type(metrics).__name__}")
+        try:
+            step = _as_step(step)
+            if metrics is not None and not isinstance(metrics, dict):
+                raise ConfigError(f"metrics must be a dict of str -> number, got {type(metrics).__name__}")
+        except ConfigError as e:   # told to the other processes first: they raise with this one
+            self._agree(step, False, refused=e)
+            raise
         pending = self._pending.pop(step, None)
         for s in [s for s in self._pending if s < step]:
             log.warning("ckpt_callbacks: eval metrics reported for step %d were never saved: the hook was "
@@ -439,17 +445,29 @@ class CheckpointHook:
             self._last_save_time = self.clock()
         return started
 
-    def _agree(self, step, evaled: bool) -> tuple[bool, bool, bool]:
+    def _agree(self, step, evaled: bool, refused: Exception | None = None) -> tuple[bool, bool, bool]:
         """(preempted, every_secs timer fired, eval metrics given), the same answer on every
-        process: one that evaluates alone (metrics on process 0 only) saves with the others."""
+        process: one that evaluates alone (metrics on process 0 only) saves with the others.
+        A call that this process `refused` (its step or metrics: a `ConfigError`, raised by the
+        caller) is refused by every process at once: the others raise `CheckpointSaveError`
+        naming it, rather than wait for it here until their timeout."""
         preempted = bool(self._watcher and self._watcher.requested)
         timer = self.every_secs is not None and self.clock() - self._last_save_time >= self.every_secs
         if self.coord.process_count > 1 and (self._watcher is not None or self.every_secs is not None
                                              or self.save_on_eval):
             self.manager._nhook_calls += 1   # counted by the manager: a later hook on it reuses no key
-            mine = bytes([int(preempted), int(timer), int(evaled)])
-            got = self.coord.all_gather(f"hook/{self.manager.store.url.lstrip('/')}/{self.manager._nhook_calls}",
-                                        mine, self.manager.timeout_s)
+            why = None if refused is None else f"{type(refused).__name__}: {refused}"
+            mine = msgpack.packb([preempted, timer, evaled, why])
+            got = [msgpack.unpackb(g) for g in self.coord.all_gather(
+                f"hook/{self.manager.store.url.lstrip('/')}/{self.manager._nhook_calls}", mine,
+                self.manager.timeout_s)]
+            failures = {i: g[3] for i, g in enumerate(got) if g[3] is not None}
+            if failures and refused is None:
+                raise CheckpointSaveError(
+                    f"hook({step!r}, ...): process(es) {sorted(failures)} refused the call "
+                    f"({'; '.join(f'{i}: {w}' for i, w in failures.items())}); nothing was saved, every "
+                    f"process raises (each process must call the hook with the same step, and metrics "
+                    f"that are a dict or None)", failures)
             preempted, timer, evaled = (any(g[i] for g in got) for i in range(3))
         return preempted, timer, evaled
 

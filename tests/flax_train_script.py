@@ -257,6 +257,24 @@ def survivor_of_a_dead_process(root: str, timeout_s: float) -> dict:
         return {"error_type": type(e).__name__, "error": str(e), "waited_s": time.monotonic() - t0}
 
 
+def metrics_refused_on_one_process(root: str) -> dict:
+    """Run in each of 2 processes: at step 2 process 0 passes metrics that are no dict (its own
+    evaluation's bare float), process 1 none. Process 0 raised alone, before the hook's
+    agreement; process 1 waited there, and the processes' hook calls stayed paired off by one."""
+    hook = CheckpointHook(root, every_steps=1, preemption_signals=(), timeout_s=20)
+    errors = []
+    for step in (1, 2, 3):
+        metrics = 0.5 if step == 2 and jax.process_index() == 0 else None
+        t0 = time.monotonic()
+        try:
+            hook(step, {"w": np.full(4, step, np.float32)}, metrics=metrics)
+            errors.append(None)
+        except cc.CheckpointError as e:
+            errors.append([type(e).__name__, str(e), round(time.monotonic() - t0, 1)])
+    hook.close()
+    return {"errors": errors, "steps": hook.manager.all_steps()}
+
+
 def main():
     jax.config.update("jax_num_cpu_devices", 2)     # before any device is used
     jax.config.update("jax_platforms", "cpu")

@@ -173,6 +173,20 @@ def test_a_survivor_of_a_process_that_died_raises_within_the_hook_s_timeout_s(tm
     assert "silent: process 1" in r["error"] and r["waited_s"] < 30, r
 
 
+def test_metrics_refused_on_one_of_two_processes_fail_that_hook_call_on_both_at_once(tmp_path):
+    """Process 0 raised its ConfigError alone, before the hook's agreement: process 1 waited there
+    and paired its step-2 call with process 0's step-3 one (they then saved different steps)."""
+    from multiproc import launch
+    res = launch("flax_train_script:metrics_refused_on_one_process", 2, devices_per_process=2, timeout_s=240,
+                 args={"root": str(tmp_path / "ckpt")}).raise_if_failed()
+    a, b = res.values
+    assert a["errors"][1][:2] == ["ConfigError", "metrics must be a dict of str -> number, got float"], a
+    assert b["errors"][1][0] == "CheckpointSaveError" and "process(es) [0] refused the call" in b["errors"][1][1], b
+    assert "metrics must be a dict" in b["errors"][1][1] and b["errors"][1][2] < 10, b
+    assert [e is None for e in a["errors"]] == [e is None for e in b["errors"]] == [True, False, True]
+    assert a["steps"] == b["steps"] == [1, 3]
+
+
 # -- in-process: a sharded NNX model -----------------------------------------------------------------
 
 class Sharded(nnx.Module):
