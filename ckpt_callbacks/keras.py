@@ -532,11 +532,17 @@ class AsyncCheckpoint(keras.callbacks.Callback):
         progress = {"epoch": int(epoch), "batch": int(batch), "global_step": int(self._global_step),
                     "best": float("nan") if self.best is None else float(self.best), "version": 1}
         host = {"rng": keras_state.rng_state(), "steps": keras_resume.epoch_steps(self)}
+        refused = None
         if self._state_iterator():
-            host["data"] = self.data.get_state()
-        started = self.manager.save(self._global_step, {"model": keras_state.state_tree(model), "progress": progress},
-                                    metrics=metrics, host_state=host,
-                                    force=replace or self._global_step in self._replace)
+            try:
+                host["data"] = self.data.get_state()
+            except Exception as e:  # noqa: BLE001 - one process alone: the others hear of it in the save
+                if self.manager.coord.process_count == 1:
+                    raise
+                refused = e   # raised by the manager, after every process refused the save at once
+        force = replace or self._global_step in self._replace
+        started = self.manager._save(self._global_step, {"model": keras_state.state_tree(model), "progress": progress},
+                                     metrics=metrics, host_state=host, due=force, replace=force, refused=refused)
         self.last_blocking_s = time.perf_counter() - t0
         if started:
             self._replace.discard(self._global_step)

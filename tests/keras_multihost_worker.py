@@ -74,8 +74,9 @@ def _dataset():
 class _Iterator:
     """The dataset's batches in order, endlessly, with Grain's get_state()/set_state()."""
 
-    def __init__(self, ds):
+    def __init__(self, ds, fail_at: int | None = None):
         self.ds, self.pos = ds, 0
+        self.calls, self.fail_at = 0, fail_at   # get_state() raises at its `fail_at`-th call
 
     def __iter__(self):
         return self
@@ -86,6 +87,9 @@ class _Iterator:
         return batch
 
     def get_state(self):
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise RuntimeError(f"get_state failed at position {self.pos}")
         return {"pos": self.pos}
 
     def set_state(self, state):
@@ -106,13 +110,15 @@ def digest(model) -> str:
 
 
 def fit(root: str, epochs: int, kind: str = "mp", save_freq=3, exit_at: int | None = None,
-        exit_on_epoch_end: int | None = None, timeout_s: float | None = None, iterator: bool = False) -> dict:
+        exit_on_epoch_end: int | None = None, timeout_s: float | None = None, iterator: bool = False,
+        fail_get_state_on_1: int | None = None) -> dict:
     """`model.fit` with AsyncCheckpoint(root, save_freq, keep_last=2, keep_best=1) on every process.
 
     exit_at: every process leaves (``os._exit(17)``) at the begin of that batch of the run (counted
     from 1), once the save in flight has finished (a job killed between two saves);
     exit_on_epoch_end: process 1 leaves at the end of that epoch (counted from 1), before
-    AsyncCheckpoint's epoch-end save, while the others go on to save.
+    AsyncCheckpoint's epoch-end save, while the others go on to save;
+    fail_get_state_on_1: process 1's iterator (``iterator=True``) raises at that get_state() call.
     """
     import keras
 
@@ -123,7 +129,7 @@ def fit(root: str, epochs: int, kind: str = "mp", save_freq=3, exit_at: int | No
     data, val = _dataset()
     kw = {} if timeout_s is None else {"timeout_s": timeout_s}
     if iterator:   # a get_state()/set_state() iterator over the same batches, fed through cb.batches()
-        data = _Iterator(data)
+        data = _Iterator(data, fail_get_state_on_1 if jax.process_index() == 1 else None)
     cb = AsyncCheckpoint(root, save_freq=save_freq, data=data, keep_last=2, keep_best=1, **kw)
     fit_input = dict(x=cb.batches(), steps_per_epoch=N_TRAIN // BATCH) if iterator else dict(x=data)
 
@@ -147,6 +153,8 @@ def fit(root: str, epochs: int, kind: str = "mp", save_freq=3, exit_at: int | No
         model.fit(**fit_input, validation_data=val, epochs=epochs, shuffle=False, verbose=0, callbacks=[Leave(), cb])
     except Exception as e:  # noqa: BLE001 - reported to the test
         out.update(error_type=type(e).__name__, error=str(e))
+        if cb.manager is not None:   # (none where the resume failed)
+            out["steps"] = cb.manager.all_steps()
         return out
     stats = cb.manager.last_stats
     out.update(steps=cb.manager.all_steps(), best=cb.manager.best_step(), resumed=cb.resumed_step,

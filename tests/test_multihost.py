@@ -478,3 +478,15 @@ def test_flax_resume_onto_a_damaged_host_state_of_one_process_fails_on_every_pro
                      args={"root": str(tmp_path / "run")}))
     assert [r["error"] and r["error"][0] for r in res] == ["CorruptCheckpointError"] * 2, res
     assert "host/p1.msgpack" in res[1]["error"][1] and "process(es) [1]" in res[0]["error"][1]
+
+
+def test_keras_iterator_whose_get_state_fails_on_one_process_fails_that_save_on_every_process(tmp_path):
+    """Process 1's data.get_state() raised alone, before its save's agreement: process 0 waited
+    there for timeout_s (JAX's heartbeat ends it first with the defaults, raising nothing)."""
+    pytest.importorskip("keras")
+    res = _ok(launch("keras_multihost_worker:fit", 2, devices_per_process=4, timeout_s=180,
+                     args={"root": str(tmp_path / "run"), "epochs": 1, "save_freq": 3, "iterator": True,
+                           "timeout_s": 20, "fail_get_state_on_1": 2}))
+    assert [r["error_type"] for r in res] == ["CheckpointSaveError", "RuntimeError"], res
+    assert "process(es) [1] refused the call" in res[0]["error"] and "get_state failed" in res[0]["error"], res
+    assert res[0]["steps"] == res[1]["steps"] == [3], res
