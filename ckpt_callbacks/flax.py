@@ -450,14 +450,16 @@ class CheckpointHook:
         process: one that evaluates alone (metrics on process 0 only) saves with the others.
         A call that this process `refused` (its step or metrics: a `ConfigError`, raised by the
         caller) is refused by every process at once: the others raise `CheckpointSaveError`
-        naming it, rather than wait for it here until their timeout."""
+        naming it, rather than wait for it here until their timeout. So is a call with another
+        step than the others' (each would decide its schedule alone, and one wait in a save that
+        the others skipped)."""
         preempted = bool(self._watcher and self._watcher.requested)
         timer = self.every_secs is not None and self.clock() - self._last_save_time >= self.every_secs
         if self.coord.process_count > 1 and (self._watcher is not None or self.every_secs is not None
                                              or self.save_on_eval):
             self.manager._nhook_calls += 1   # counted by the manager: a later hook on it reuses no key
             why = None if refused is None else f"{type(refused).__name__}: {refused}"
-            mine = msgpack.packb([preempted, timer, evaled, why])
+            mine = msgpack.packb([preempted, timer, evaled, why, None if refused is not None else step])
             got = [msgpack.unpackb(g) for g in self.coord.all_gather(
                 f"hook/{self.manager.store.url.lstrip('/')}/{self.manager._nhook_calls}", mine,
                 self.manager.timeout_s)]
@@ -468,6 +470,12 @@ class CheckpointHook:
                     f"({'; '.join(f'{i}: {w}' for i, w in failures.items())}); nothing was saved, every "
                     f"process raises (each process must call the hook with the same step, and metrics "
                     f"that are a dict or None)", failures)
+            steps = {i: g[4] for i, g in enumerate(got)}
+            if not failures and len(set(steps.values())) > 1:
+                raise CheckpointSaveError(
+                    f"nothing was saved: the processes called the hook with different steps ({steps}); every "
+                    f"process must call hook(step, state) with the same step after every training step",
+                    {i: f"step {s}" for i, s in steps.items()})
             preempted, timer, evaled = (any(g[i] for g in got) for i in range(3))
         return preempted, timer, evaled
 

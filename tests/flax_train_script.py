@@ -275,6 +275,23 @@ def metrics_refused_on_one_process(root: str) -> dict:
     return {"errors": errors, "steps": hook.manager.all_steps()}
 
 
+def steps_apart(root: str) -> dict:
+    """Run in each of 2 processes: after step 1, process 0 calls the hook with step 2 and process
+    1 with step 3 (a step counted apart). Each decided its schedule alone: process 0 saved step 2
+    and waited in that save for process 1, which had skipped it, until timeout_s."""
+    hook = CheckpointHook(root, every_steps=2, preemption_signals=(), timeout_s=10)
+    errors = []
+    for step in (1, 2 + jax.process_index(), 4):
+        t0 = time.monotonic()
+        try:
+            hook(step, {"w": np.full(4, step, np.float32)})
+            errors.append(None)
+        except cc.CheckpointError as e:
+            errors.append([type(e).__name__, str(e), round(time.monotonic() - t0, 1)])
+    hook.close()
+    return {"errors": errors, "steps": hook.manager.all_steps()}
+
+
 def main():
     jax.config.update("jax_num_cpu_devices", 2)     # before any device is used
     jax.config.update("jax_platforms", "cpu")

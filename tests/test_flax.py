@@ -187,6 +187,19 @@ def test_metrics_refused_on_one_of_two_processes_fail_that_hook_call_on_both_at_
     assert a["steps"] == b["steps"] == [1, 3]
 
 
+def test_hook_calls_with_different_steps_on_two_processes_fail_on_both_at_once(tmp_path):
+    """Each process decided its schedule from its own step: process 0 saved step 2 and waited in
+    that save until timeout_s for process 1, which had skipped it (its step 3 was not due)."""
+    from multiproc import launch
+    res = launch("flax_train_script:steps_apart", 2, devices_per_process=2, timeout_s=240,
+                 args={"root": str(tmp_path / "ckpt")}).raise_if_failed()
+    for r in res.values:
+        assert r["errors"][0] is None and r["errors"][2] is None, r
+        assert r["errors"][1][0] == "CheckpointSaveError", r
+        assert "different steps ({0: 2, 1: 3})" in r["errors"][1][1] and r["errors"][1][2] < 5, r
+        assert r["steps"] == [4], r
+
+
 # -- in-process: a sharded NNX model -----------------------------------------------------------------
 
 class Sharded(nnx.Module):
