@@ -61,6 +61,38 @@ __all__ = ["CheckpointManager"]
 log = logging.getLogger("ckpt_callbacks")
 
 
+def _writer(fn, name: str) -> threading.Thread:
+    """The writer thread of one save (daemon, not started); its `finished` event is set once
+    `fn` has returned. Wait for it with `_join`.
+
+    Example::
+
+        t = _writer(run, "ckpt_callbacks-save-4")
+        t.start()
+        _join(t)   # run() has returned
+    """
+    finished = threading.Event()
+
+    def body():
+        try:
+            fn()
+        finally:
+            finished.set()
+
+    t = threading.Thread(target=body, name=name, daemon=True)
+    t.finished = finished
+    return t
+
+
+def _join(t: threading.Thread) -> None:
+    """Wait until writer `t` (`_writer`) is done: by its event, and then `join()`. A `join()` alone
+    that a KeyboardInterrupt (Ctrl-C) interrupts marks a thread still running as stopped (CPython
+    3.11's `_wait_for_tstate_lock`), and every later `join()` and `is_alive()` took the save in
+    flight for done; an interrupted `Event.wait()` leaves nothing changed."""
+    t.finished.wait()
+    t.join()
+
+
 def _began(t: threading.Thread, within_s: float = 5.0) -> bool:
     """Whether thread `t` runs (or ran), for a `start()` that an exception interrupted: it
     either never started the thread or did, and then the thread sets its ident at once."""
@@ -130,7 +162,7 @@ class CheckpointManager:
         self._warned_below = False   # `agreement.warn_below` said it once
         self._top_saved = -1   # the highest step this manager committed (`agreement.warn_below`)
         self._warned_unranked: set[str] = set()   # `agreement.warn_unranked` said it for these metrics
-        self._thread: threading.Thread | None = None
+        self._thread: threading.Thread | None = None   # the save in flight's `_writer`
         self._pool = hostmem.HostPool()   # warm buffers for the copies of host-side leaves
         self._workers: Workers | None = None   # the writer's threads, started at the first save
         self._error: BaseException | None = None
@@ -282,7 +314,7 @@ class CheckpointManager:
         # overheads 2-10 points lower, hooks ~1 ms longer; docs/benchmarks-log.md).
         # (a KeyboardInterrupt may land anywhere from here on, inside `start()` too: the writer
         # then gets the abort all the same, or, where it never began, its clean-up runs here)
-        self._thread = t = threading.Thread(target=run, name=f"ckpt_callbacks-save-{step}", daemon=True)
+        self._thread = t = _writer(run, f"ckpt_callbacks-save-{step}")
         try:
             t.start()
             through = WriteThrough(self.store, step, token, snap, self._workers) if through_ok else None
@@ -292,7 +324,7 @@ class CheckpointManager:
             items.put(None)
             self._thread = None
             if _began(t):
-                t.join()   # it takes the abort and cleans up as usual
+                _join(t)   # it takes the abort and cleans up as usual
             else:
                 run()
             self._error = None
@@ -304,7 +336,7 @@ class CheckpointManager:
     def _wait(self) -> None:
         t = self._thread
         if t is not None:
-            t.join()
+            _join(t)
             self._thread = None
         if self._error is not None:
             e, self._error = self._error, None

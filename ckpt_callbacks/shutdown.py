@@ -51,7 +51,7 @@ def _close_left_open(m) -> None:
     if m._closed:
         return
     t, caller = m._thread, m._caller
-    if t is None or not t.is_alive():
+    if t is None or t.finished.is_set():   # (not is_alive(): see manager._join)
         if m._error is not None:
             log.error("ckpt_callbacks: the last save to %s failed, and the CheckpointManager was not "
                       "closed to say so: %s", m.store.url, m.store.redact(str(m._error)))
