@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import os
 from typing import Any, Mapping, Sequence
 
@@ -158,8 +159,8 @@ def parse_checkpoint(section: Mapping, where: str = "checkpoint",
         kw["max_staging_bytes"] = v
     if "timeout_s" in section:
         v = section["timeout_s"]
-        if not _is_number(v) or v <= 0:
-            raise ConfigError(f"{where}.timeout_s: expected a positive number of seconds, got {v!r}")
+        if not _is_number(v) or not 0 < v < math.inf:   # (.nan and .inf too: the manager refuses them)
+            raise ConfigError(f"{where}.timeout_s: expected a positive, finite number of seconds, got {v!r}")
         kw["timeout_s"] = float(v)
     retention = section.get("retention")
     if retention is not None:

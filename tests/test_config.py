@@ -64,6 +64,8 @@ BAD = [
     ({"directory": "/x", "async_save": "yes"}, "checkpoint.async_save: expected true or false"),
     ({"directory": "/x", "max_staging_bytes": -1}, "checkpoint.max_staging_bytes"),
     ({"directory": "/x", "timeout_s": 0}, "checkpoint.timeout_s"),
+    ({"directory": "/x", "timeout_s": float("nan")}, "checkpoint.timeout_s: expected a positive, finite number"),
+    ({"directory": "/x", "timeout_s": float("inf")}, "checkpoint.timeout_s: expected a positive, finite number"),
     ({"directory": "/x", "retention": [3]}, "checkpoint.retention: expected a mapping"),
     ({"directory": "/x", "retention": {"keep_lats": 3}}, "checkpoint.retention.keep_lats: unknown retention key"),
     ({"directory": "/x", "retention": {"keep_last": 0}}, "checkpoint.retention.keep_last"),
