@@ -29,6 +29,7 @@ import jax
 import msgpack
 
 from . import restore as restore_mod
+from . import treepath
 from .errors import (CheckpointError, CheckpointNotFoundError, ConfigError, CorruptCheckpointError,
                      IncompatibleCheckpointError, StorageUnavailableError)
 
@@ -40,8 +41,8 @@ log = logging.getLogger("ckpt_callbacks")
 def collective(target) -> bool:
     """Whether restoring onto `target` builds an array that spans several processes: every
     process must make that call, so a read-only manager's processes can agree on its step."""
-    try:
-        leaves = jax.tree_util.tree_leaves(target)
+    try:   # (`treepath.flatten`, not jax's: a container holding itself is refused, not recursed into)
+        leaves = treepath.flatten(target).leaves
     except (TypeError, ValueError):   # e.g. mixed dict keys: the restore refuses it, naming the key path
         return False
     return any(isinstance(s := getattr(leaf, "sharding", None), jax.sharding.Sharding)

@@ -100,8 +100,16 @@ def _children(node):
     """One level of a pytree node: list of (entry, child) or None when `node` is a leaf."""
     if node is None or type(node) in _LEAF_TYPES or isinstance(node, jax.Array):
         return None
+    asked = []   # only `node` itself is opened: a child that is `node` again (a dict holding itself)
+    # is a leaf here, and `flatten` refuses the nesting by depth; with `x is not node` jax recursed
+    # into it without end, and its RecursionError left every later call of this process failing
+
+    def is_leaf(x):
+        asked.append(x)
+        return len(asked) > 1
+
     try:
-        kids, treedef = jtu.tree_flatten_with_path(node, is_leaf=lambda x: x is not node)
+        kids, treedef = jtu.tree_flatten_with_path(node, is_leaf=is_leaf)
     except (ValueError, TypeError):
         types = sorted({type(k).__name__ for k in node}) if isinstance(node, dict) else []
         if len(types) > 1:   # jax sorts a dict's keys: it cannot sort mixed ones

@@ -81,3 +81,25 @@ def test_containers_nested_beyond_the_limit_are_refused_and_up_to_it_kept():
     for depth in (treepath.MAX_DEPTH + 1, 5000):
         with pytest.raises(TypeError, match=f"nested more than {treepath.MAX_DEPTH} levels deep"):
             treepath.flatten(nest(depth))
+
+
+def test_a_container_holding_itself_is_refused_and_the_process_saves_on(tmp_path):
+    """A dict holding itself (or a list, through another container): jax recursed into it without
+    end, and its RecursionError left the interpreter failing every later save with RecursionError,
+    to a new manager and a new directory too; a restore target like it raised jax's SystemError."""
+    import ckpt_callbacks as cc
+    loop = {"w": np.ones(2)}
+    loop["self"] = loop
+    ring = [1]
+    ring.append({"back": ring})
+    with cc.CheckpointManager(str(tmp_path / "a")) as m:
+        for bad in (loop, ring):
+            with pytest.raises(cc.InvalidTreeError, match=f"nested more than {treepath.MAX_DEPTH} levels deep"):
+                m.save(1, bad)
+        m.save(1, {"self": {"w": np.ones(2)}})
+    r = cc.CheckpointManager(str(tmp_path / "a"), read_only=True)
+    with pytest.raises(cc.InvalidTreeError, match=f"nested more than {treepath.MAX_DEPTH} levels deep"):
+        r.restore(1, target=loop)
+    with cc.CheckpointManager(str(tmp_path / "b")) as m:   # and everything else still works
+        m.save(2, {"x": np.arange(3)})
+    assert cc.CheckpointManager(str(tmp_path / "b"), read_only=True).restore(2)["x"].tolist() == [0, 1, 2]
