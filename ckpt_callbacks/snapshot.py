@@ -148,6 +148,9 @@ def _classify(path, x) -> dict:
                                    f"`.data` and `np.ma.getmaskarray(x)` as two leaves")
         if x.ndim > fmt.MAX_NDIM:
             raise InvalidTreeError(f"at {where}: {x.ndim} dimensions; the format holds at most {fmt.MAX_NDIM}")
+        if isinstance(x, jax.core.Tracer):   # (it has no value: `is_deleted` raised jax's ConcretizationTypeError)
+            raise InvalidTreeError(f"at {where}: a traced value ({type(x).__name__}): save() was called inside "
+                                   f"jax.jit, grad or vmap; call it outside, on the arrays the step returned")
         if isinstance(x, jax.Array) and x.is_deleted():
             raise InvalidTreeError(f"at {where}: this jax.Array was deleted (donated to a jitted step, or "
                                    f"`.delete()`d); save the arrays the step returned")

@@ -84,6 +84,17 @@ def test_a_deleted_jax_array_is_an_invalid_tree_naming_the_key_path(ckdir):
         assert m.all_steps() == []
 
 
+def test_a_traced_value_is_an_invalid_tree_naming_the_key_path(ckdir):
+    """save() called inside jit/grad/vmap raised jax's ConcretizationTypeError (from `is_deleted`)."""
+    import jax
+    import jax.numpy as jnp
+    with cc.CheckpointManager(ckdir) as m:
+        for transform in (jax.jit, jax.grad, jax.vmap):
+            with pytest.raises(cc.InvalidTreeError, match=r"at \['opt'\]\[1\]: a traced value .*inside jax.jit"):
+                transform(lambda x: (m.save(1, {"opt": [np.zeros(2), x]}), x.sum())[1])(jnp.ones(2))
+        assert m.all_steps() == []
+
+
 @pytest.mark.parametrize("leaf,message", [
     (np.ma.masked_array([1.0, 2.0, -999.0], mask=[0, 0, 1]), "a numpy masked array would lose its mask"),
     (np.zeros((1,) * 33, np.float32), "33 dimensions; the format holds at most 32"),            # packed
