@@ -20,6 +20,7 @@ markers only. docs/storage.md explains the credentials, endpoints, retries and w
 from __future__ import annotations
 
 import logging
+import math
 import os
 import re
 import socket
@@ -47,9 +48,12 @@ def _env_float(name: str, default: float) -> float:
     if v is None or v == "":
         return default
     try:
-        return float(v)
+        x = float(v)
     except ValueError:
-        raise CheckpointError(f"environment variable {name}={v!r} must be a number") from None
+        x = math.nan
+    if not 0 <= x < math.inf:   # (nan reached tensorstore's spec, and failed every request as an outage)
+        raise ConfigError(f"environment variable {name}={v!r} must be a non-negative, finite number")
+    return x
 
 
 # Values of these variables are endpoints or credentials: never shown in a message.

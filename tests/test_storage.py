@@ -252,6 +252,21 @@ class _Feed:
         return self.items.pop(0)
 
 
+@pytest.mark.parametrize("var,value", [("CKPT_CALLBACKS_IO_RETRIES", "-1"), ("CKPT_CALLBACKS_IO_BACKOFF_S", "nan"),
+                                       ("CKPT_CALLBACKS_IO_MAX_BACKOFF_S", "-5"), ("CKPT_CALLBACKS_STALE_AFTER_S", "inf"),
+                                       ("CKPT_CALLBACKS_IO_RETRIES", "three")])
+def test_a_retry_variable_that_is_no_non_negative_finite_number_is_a_config_error(objstore, monkeypatch, var, value):
+    """BACKOFF_S=nan reached tensorstore's spec, and every request then failed as an outage
+    ("check that the endpoint is reachable"); a negative count or delay was taken as it was."""
+    monkeypatch.setenv(var, value)
+    with pytest.raises(cc.ConfigError, match=f"{var}={value!r} must be a non-negative, finite number"):
+        cc.CheckpointManager(objstore.url)
+    monkeypatch.delenv(var)
+    with cc.CheckpointManager(objstore.url) as m:
+        m.save(1, {"a": 1})
+    assert cc.CheckpointManager(objstore.url, read_only=True).restore(1) == {"a": 1}
+
+
 def test_server_outage_mid_save_fails_clearly_without_marker_then_recovers(objstore, monkeypatch, caplog):
     caplog.set_level(logging.DEBUG)
     with cc.CheckpointManager(objstore.url) as m:
