@@ -200,7 +200,11 @@ def open_store(directory) -> Store:
         return ObjectStore(directory)
     from .localstore import LocalStore   # (as ObjectStore: it builds on Store)
     if scheme == "file":
-        return LocalStore(urllib.parse.urlparse(directory).path)
+        url = urllib.parse.urlparse(directory)
+        if url.netloc not in ("", "localhost"):   # (its path was taken on this machine: file://nas/x wrote /x)
+            raise ConfigError(f"{directory!r}: a file:// URL names a file on this machine (file:///path or "
+                              f"file://localhost/path), not on host {url.netloc!r}; mount it and give its path")
+        return LocalStore(url.path)
     if scheme and len(scheme) > 1:
         raise ConfigError(f"{directory!r}: unsupported URL scheme {scheme!r} (use a path, file://, s3:// or gs://)")
     return LocalStore(directory)

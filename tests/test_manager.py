@@ -585,6 +585,17 @@ def test_an_empty_or_unsupported_directory_is_a_config_error(tmp_path, monkeypat
     assert os.listdir(tmp_path) == []
 
 
+def test_a_file_url_naming_another_host_is_a_config_error(tmp_path):
+    """file://nas/x wrote to /x on this machine (the host was dropped)."""
+    with pytest.raises(cc.ConfigError, match="not on host 'nas'"):
+        cc.CheckpointManager(f"file://nas{tmp_path}/run")
+    assert os.listdir(tmp_path) == []
+    for url in (f"file://localhost{tmp_path}/run", f"file://{tmp_path}/run"):
+        with cc.CheckpointManager(url) as m:
+            m.save(1, tree(1), force=True)
+    assert cc.CheckpointManager(str(tmp_path / "run"), read_only=True).all_steps() == [1]
+
+
 def test_force_and_fallback_must_be_bools_not_truthy_strings(ckdir):
     with cc.CheckpointManager(ckdir) as m:
         m.save(1, tree(1))
