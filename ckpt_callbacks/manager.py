@@ -354,7 +354,8 @@ class CheckpointManager:
             try:
                 self._wait()
             finally:
-                self.store.drop_reusable(self._workers and self._workers.fsync)
+                if self._thread is None:   # (not under a save still in flight: interrupted by Ctrl-C)
+                    self.store.drop_reusable(self._workers and self._workers.fsync)
 
     def _own_save_first(self) -> None:
         """Before a read: wait for this manager's save in flight, which then has committed (or
@@ -534,19 +535,26 @@ class CheckpointManager:
         try:
             self._wait()
         finally:
-            self._closed = True
+            # (interrupted by Ctrl-C with the save still in flight, it keeps its threads, buffers and
+            # lock: they were released under the running writer; close() again finishes it)
+            if self._thread is None:
+                self._release()
+
+    def _release(self) -> None:
+        """`close` once no save is in flight: drop what retention kept, end the threads, unlock."""
+        self._closed = True
+        try:
+            self.store.drop_reusable(self._workers and self._workers.fsync)
+        finally:
             try:
-                self.store.drop_reusable(self._workers and self._workers.fsync)
+                if self._workers is not None:
+                    self._workers.close()
+                    self._workers = None
+                self._pool.clear(background=True)
             finally:
-                try:
-                    if self._workers is not None:
-                        self._workers.close()
-                        self._workers = None
-                    self._pool.clear(background=True)
-                finally:
-                    if self._locked:   # whatever failed above, the directory is free again
-                        lock.release(self.store.root)
-                        self._locked = False
+                if self._locked:   # whatever failed above, the directory is free again
+                    lock.release(self.store.root)
+                    self._locked = False
 
     def __enter__(self):
         return self

@@ -830,6 +830,29 @@ def test_a_wait_interrupted_by_ctrl_c_leaves_the_save_in_flight_to_be_waited_for
         assert m.all_steps() == [1, 2]
 
 
+def test_a_close_interrupted_by_ctrl_c_keeps_the_lock_and_threads_until_close_finishes(ckdir, monkeypatch):
+    """Ctrl-C during `close()`: it released the lock, ended the writer's threads and dropped the
+    files kept for reuse while the save was still being written, and marked the manager closed,
+    so the next close() returned at once: another writer could open the directory mid-save, and
+    the kept step's `.del-` directory stayed behind."""
+    import ckpt_callbacks.manager as mm
+    m = cc.CheckpointManager(ckdir, retention=cc.KeepLast(1))
+    m.save(1, tree(1))
+    m.wait_until_finished()
+    real = mm.write_and_commit
+    monkeypatch.setattr(mm, "write_and_commit", lambda *a, **k: (time.sleep(1.0), real(*a, **k))[1])
+    m.save(2, tree(2))
+    threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT)).start()
+    with pytest.raises(KeyboardInterrupt):
+        m.close()
+    assert m.all_steps() == [1]   # still in flight, and the directory still this manager's
+    with pytest.raises(cc.CheckpointLockedError):
+        cc.CheckpointManager(ckdir)
+    m.close()
+    assert m.all_steps() == [2] and os.listdir(ckdir) == [fmt.step_name(2)]   # nothing kept, unlocked
+    assert_tree_equal(cc.CheckpointManager(ckdir, read_only=True).restore(2), tree(2))
+
+
 def test_a_forked_child_cannot_save_through_its_parents_manager(ckdir):
     """A child inherits no writer threads: its save hung for good, as a second writer under the
     parent's lock. Refused, saying so; its close leaves the parent's manager and files alone."""
