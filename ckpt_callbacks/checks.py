@@ -86,6 +86,8 @@ def check_metrics(metrics) -> dict:
             out[k] = i
             continue
         try:
+            if getattr(getattr(v, "dtype", None), "kind", None) == "c":   # float() dropped its imaginary part
+                raise TypeError
             out[k] = v if isinstance(v, str) else float(v)
         except (TypeError, ValueError):
             raise ConfigError(f"metrics[{k!r}] must be a number or str, got {type(v).__name__}") from None

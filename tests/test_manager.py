@@ -1012,7 +1012,8 @@ def test_numpy_and_jax_integers_are_ints_everywhere_and_numpy_metrics_keep_their
     assert m.metrics(20) == {"n": 2 ** 53 + 1, "ok": True} and type(m.metrics(20)["n"]) is int
     assert m.best_step() is None   # bools never rank
     with cc.CheckpointManager(ckdir) as m:
-        for bad in (np.array([True, False]), jnp.array([1, 2]), np.array([0.5])):
+        for bad in (np.array([True, False]), jnp.array([1, 2]), np.array([0.5]), 1 + 2j, np.complex64(1 + 2j),
+                    jnp.asarray(1j)):   # (numpy's and jax's complex became a float, the imaginary part dropped)
             with pytest.raises(cc.ConfigError, match="must be a number or str"):
                 m.save(50, tree(50), metrics={"m": bad})
     for bad in (True, 2.0, jnp.float32(2), jnp.array([1, 2]), np.bool_(True)):
