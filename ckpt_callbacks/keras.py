@@ -130,7 +130,8 @@ class AsyncCheckpoint(keras.callbacks.Callback):
       keep_best: keep the N best steps by `monitor` (True means 1). Steps without the monitor
         (mid-epoch saves, epochs without validation) never rank.
       resume: restore the latest committed step in `on_train_begin` (False: refuse a directory that
-        already holds checkpoints rather than mix two runs).
+        already holds checkpoints rather than mix two runs; once this callback's first `fit` has
+        begun on it, the checkpoints there are this run's, and its later `fit`s continue it).
       fallback: when the latest step is damaged, resume from the newest intact one instead (with a
         warning; the run then saves the damaged steps' numbers anew, over them). False: `fit`
         raises `CorruptCheckpointError` naming the step and the ways out, before training.
@@ -205,6 +206,7 @@ class AsyncCheckpoint(keras.callbacks.Callback):
         self.initial_value_threshold = initial_value_threshold
         self.keep_last, self.keep_best = keep_last, keep_best
         self.resume, self.data, self.verbose = resume, data, verbose
+        self._own_run = False   # a resume=False callback's first fit() began here: later ones continue it
         self.async_save, self.max_staging_bytes, self.timeout_s = async_save, max_staging_bytes, timeout_s
         self.manager: CheckpointManager | None = None
         self.best: float | None = None
@@ -253,7 +255,7 @@ class AsyncCheckpoint(keras.callbacks.Callback):
         if not self._state_iterator():
             raise ConfigError("AsyncCheckpoint.batches() needs data= an iterator with get_state()/set_state()")
         self._close(raise_errors=False)   # a fit() that raised may have left a save in flight
-        self._data_at = keras_resume.position_data(self) if self.resume else None
+        self._data_at = keras_resume.position_data(self) if self.resume or self._own_run else None
         while True:
             try:
                 item = next(self.data)
@@ -345,9 +347,11 @@ class AsyncCheckpoint(keras.callbacks.Callback):
         # batches read from a ResumableDataset `data` before this fit trained: fit() must read on from it
         self._served_at = self.data.served if isinstance(self.data, ResumableDataset) else None
         step = self.manager.latest_step()
+        if not self.resume and step is None:
+            self._own_run = True   # this run's from now on: the next fit() continues it
         if step is None:
             return
-        if not self.resume:
+        if not (self.resume or self._own_run):
             raise ConfigError(f"{self.manager.store.url} already holds checkpoints (latest step {step}) and "
                               f"resume=False. Fix: use a new directory, or resume=True to continue that run.")
         keras_resume.restore(self, step)

@@ -767,6 +767,26 @@ def test_configuration_errors(ckdir):
         _model().fit(x, y, batch_size=16, epochs=1, verbose=0, callbacks=[AsyncCheckpoint(ckdir, resume=False)])
 
 
+def test_resume_false_refuses_another_runs_directory_but_its_own_next_fit_continues(ckdir):
+    """resume=False refuses checkpoints from before the callback's first fit, not its own: a second
+    fit() with the same model and callback continued the run (it raised ConfigError "already holds
+    checkpoints ... resume=False"), ending bit-equal to one fit() of all the epochs."""
+    x, y, val = _data()
+    ref = _model()
+    ref.fit(x, y, batch_size=16, epochs=4, validation_data=val, verbose=0)
+    model = _model()
+    cb = AsyncCheckpoint(ckdir, resume=False)
+    model.fit(x, y, batch_size=16, epochs=2, validation_data=val, verbose=0, callbacks=[cb])
+    model.fit(x, y, batch_size=16, epochs=4, validation_data=val, verbose=0, callbacks=[cb])
+    assert cb.resumed_step == 8 and cb.initial_epoch == 2 and cb.manager.all_steps() == [4, 8, 12, 16]
+    assert int(model.optimizer.iterations.numpy()) == 16
+    got, want = _state(model), _state(ref)
+    assert got.keys() == want.keys() and all(got[k][0].tobytes() == want[k][0].tobytes() for k in want)
+    with pytest.raises(cc.ConfigError, match="resume=False"):   # another callback: another run
+        _model().fit(x, y, batch_size=16, epochs=5, verbose=0, callbacks=[AsyncCheckpoint(ckdir, resume=False)])
+    assert cc.CheckpointManager(ckdir, read_only=True).all_steps() == [4, 8, 12, 16]
+
+
 def test_other_backends_are_refused(tmp_path):
     code = ("import ckpt_callbacks as cc\nfrom ckpt_callbacks.keras import AsyncCheckpoint\n"
             "try:\n    AsyncCheckpoint('x')\nexcept cc.ConfigError as e:\n    print('refused:', e)\n")
