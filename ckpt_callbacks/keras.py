@@ -291,7 +291,8 @@ class AsyncCheckpoint(keras.callbacks.Callback):
             raise
 
     def _undo_initial_epoch(self) -> None:
-        """Clear the `model._initial_epoch` a resume set (Keras never does: a later fit() would start there)."""
+        """Clear the `model._initial_epoch` a resume set (Keras never does: a later fit() would start
+        there); at the first epoch's begin, once fit() has read it, or at train end."""
         if self._set_initial_epoch:
             self.model._initial_epoch = None
             self._set_initial_epoch = False
@@ -358,6 +359,9 @@ class AsyncCheckpoint(keras.callbacks.Callback):
 
     # -- hooks --------------------------------------------------------------------------------
     def on_epoch_begin(self, epoch, logs=None):
+        # fit() has read model._initial_epoch: clear it now, not only at train end (a fit() that
+        # raises gets no on_train_end, and the next fit(), with or without this callback, would start there)
+        self._undo_initial_epoch()
         skip = 0
         if self._resume_at is not None:
             self._check_resumed_epoch(epoch)

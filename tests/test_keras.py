@@ -787,6 +787,27 @@ def test_resume_false_refuses_another_runs_directory_but_its_own_next_fit_contin
     assert cc.CheckpointManager(ckdir, read_only=True).all_steps() == [4, 8, 12, 16]
 
 
+def test_a_resumed_fit_that_raises_leaves_no_first_epoch_for_the_next_fit(ckdir):
+    """A resumed fit() that another callback (or Ctrl-C) stops gets no on_train_end: the
+    model._initial_epoch the resume set stayed on the model, and the next fit() without the
+    callback started there (fit(epochs=2) after a resume at epoch 2 trained nothing, silently)."""
+    x, y, _ = _data()
+    model = _model()
+    model.fit(x, y, batch_size=16, epochs=2, verbose=0, callbacks=[AsyncCheckpoint(ckdir)])
+
+    class Interrupt(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            raise KeyboardInterrupt
+
+    cb = AsyncCheckpoint(ckdir)
+    with pytest.raises(KeyboardInterrupt):
+        model.fit(x, y, batch_size=16, epochs=4, verbose=0, callbacks=[cb, Interrupt()])
+    assert cb.resumed_step == 8 and cb.initial_epoch == 2
+    history = model.fit(x, y, batch_size=16, epochs=2, verbose=0)   # no checkpointing: epochs 1 and 2
+    assert len(history.history["loss"]) == 2 and int(model.optimizer.iterations.numpy()) == 16
+    cb.manager.close()
+
+
 def test_other_backends_are_refused(tmp_path):
     code = ("import ckpt_callbacks as cc\nfrom ckpt_callbacks.keras import AsyncCheckpoint\n"
             "try:\n    AsyncCheckpoint('x')\nexcept cc.ConfigError as e:\n    print('refused:', e)\n")
