@@ -93,7 +93,8 @@ def acquire(root: str) -> None:
     if os.path.realpath(root) in _HELD:
         raise CheckpointLockedError(
             f"{root} is already open for writing by another CheckpointManager in this process "
-            f"(pid {os.getpid()}); close() it first, or open this one with read_only=True")
+            f"(pid {os.getpid()}); close() it first, or open this one with read_only=True (an "
+            f"AsyncCheckpoint whose fit() raised keeps its manager open: cb.manager.close(), or its next fit())")
     me = {"host": socket.gethostname(), "pid": os.getpid(), "time": time.time()}
     _sweep(root, me["host"])
     for _ in range(_ATTEMPTS):

@@ -219,6 +219,8 @@ def test_a_fit_that_raises_never_leaves_the_directory_locked_for_the_next_callba
 
     left = abandon(4)
     assert os.path.exists(os.path.join(ckdir, ".ckpt_callbacks.lock"))
+    with pytest.raises(cc.CheckpointLockedError, match=r"fit\(\) raised.*cb\.manager\.close\(\)"):
+        cc.CheckpointManager(ckdir)   # the user's own manager is told which one holds it, and how to free it
     cb = AsyncCheckpoint(ckdir)
     with caplog.at_level("WARNING", logger="ckpt_callbacks"):
         _model().fit(x, y, batch_size=16, epochs=3, verbose=0, callbacks=[cb])
