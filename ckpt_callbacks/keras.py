@@ -140,6 +140,12 @@ class AsyncCheckpoint(keras.callbacks.Callback):
         step boundary, restored in `on_train_begin`; feed it to `fit` through `batches()` for an
         exact resume). Required with an int `save_freq`; ``data=False`` accepts restarting an
         interrupted epoch from its first batch (its earlier batches are trained on twice).
+      data_remap: which saved position a ``get_state()``/``set_state()`` `data` iterator of each
+        process resumes from, needed where the checkpoint was saved by another number of processes
+        (`fit` raises `IncompatibleCheckpointError` before training otherwise): a dict
+        ``{this_process: saved_process}`` (that process's host state, NumPy/Python RNG included)
+        or ``fn(saved: dict[int, state], process_index, process_count) -> state`` over the saved
+        ``get_state()`` values (the RNG is then not restored). Used whenever given.
       async_save, max_staging_bytes: passed to `CheckpointManager`.
       timeout_s: passed to `CheckpointManager`: with several processes, how long a save or the
         resume waits for the others; a process that died makes the survivors' next save raise
@@ -154,7 +160,7 @@ class AsyncCheckpoint(keras.callbacks.Callback):
                  initial_value_threshold: float | None = None, retention=None, keep_last: int | None = None,
                  keep_best: int | bool | None = None, resume: bool = True, data=None, async_save: bool = True,
                  max_staging_bytes: int | None = None, verbose: int = 0, fallback: bool = False,
-                 timeout_s: float = 600.0):
+                 timeout_s: float = 600.0, data_remap=None):
         super().__init__()
         _ALL.add(self)
         if keras.config.backend() != "jax":
@@ -201,11 +207,20 @@ class AsyncCheckpoint(keras.callbacks.Callback):
                 callable(getattr(data, "get_state", None)) and callable(getattr(data, "set_state", None))):
             raise ConfigError(f"data must be a ResumableDataset, an object with get_state()/set_state(), "
                               f"None or False; got {type(data).__name__}")
+        if data_remap is not None:
+            if not (isinstance(data_remap, Mapping) or callable(data_remap)):
+                raise ConfigError(f"data_remap must be a dict {{this_process: saved_process}} or a callable "
+                                  f"fn(saved_states, process_index, process_count), got {data_remap!r}")
+            if data in (None, False) or isinstance(data, ResumableDataset):
+                raise ConfigError("data_remap maps saved positions of a data= iterator with get_state()/"
+                                  "set_state(); this AsyncCheckpoint has none (a ResumableDataset's position "
+                                  "is the step's epoch and batch, the same on every process)")
         self.directory = directory
         self.save_freq, self.monitor, self.mode = save_freq, monitor, mode
         self.initial_value_threshold = initial_value_threshold
         self.keep_last, self.keep_best = keep_last, keep_best
         self.resume, self.data, self.verbose = resume, data, verbose
+        self.data_remap = dict(data_remap) if isinstance(data_remap, Mapping) else data_remap
         self._own_run = False   # a resume=False callback's first fit() began here: later ones continue it
         self.async_save, self.max_staging_bytes, self.timeout_s = async_save, max_staging_bytes, timeout_s
         self.manager: CheckpointManager | None = None

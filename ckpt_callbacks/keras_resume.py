@@ -81,6 +81,33 @@ def newest_intact(manager: CheckpointManager, latest: int) -> int:
     return latest
 
 
+def host_state(cb, manager, step: int, coord=None) -> dict:
+    """This process's host state of `step` (``rng``, ``steps``, ``data``), read on every process at
+    once (`resume.host_state_together`), through ``cb.data_remap``. Saved by another number of
+    processes and without `data_remap`: `IncompatibleCheckpointError` when `cb` has a state
+    iterator (which position it continues from is not known), else ``{}`` with a warning."""
+    remap = cb.data_remap
+    if callable(remap):   # over the saved iterator states only; no RNG then
+        user = remap
+
+        def remap(saved, pi, pc):
+            return {"data": user({p: (h or {}).get("data") for p, h in saved.items()}, pi, pc)}
+    try:
+        return resume.host_state_together(manager, step, coord, remap=remap) or {}
+    except IncompatibleCheckpointError as e:   # saved by another number of processes
+        if not cb._state_iterator():
+            log.warning("ckpt_callbacks: not restoring the host RNG state of step %d: %s", step, e)
+            return {}
+        _, saved, now = e.mismatches[0] if e.mismatches else ("", "another number of processes", "this one")
+        raise IncompatibleCheckpointError(
+            f"AsyncCheckpoint: step {step} in {manager.store.url} was saved by {saved} and this fit() runs "
+            f"on {now}, so which saved position the data= iterator of process {manager.coord.process_index} "
+            f"continues from is not known (the data's sharding changes with the process count); nothing "
+            f"was restored. Fix: pass AsyncCheckpoint(data_remap={{this_process: saved_process}}) or "
+            f"data_remap=fn(saved_states, process_index, process_count) -> state, or leave out data= to "
+            f"start the data from its beginning.", e.mismatches) from None
+
+
 def position_data(cb) -> int | None:
     """Put `data` at the latest committed step's position; that step, or None where there is
     none or it holds no state for this process (as `on_train_begin` treats it). Any other
@@ -92,12 +119,10 @@ def position_data(cb) -> int | None:
             return None
         if cb.fallback:   # the step on_train_begin will restore: the newest that reads intact
             step = newest_intact(manager, step)
-        try:   # read on every process at once: one that fails alone would leave the others in Keras'
-            # first collective over the batches it reads (a damaged host/p<i>.msgpack fails them all)
-            coord = coordination.for_collective_read(manager.coord, manager.store.url)
-            state = (resume.host_state_together(manager, step, coord) or {}).get("data")
-        except IncompatibleCheckpointError:   # another process count: on_train_begin warns
-            return None
+        # read on every process at once: one that fails alone would leave the others in Keras'
+        # first collective over the batches it reads (a damaged host/p<i>.msgpack fails them all)
+        coord = coordination.for_collective_read(manager.coord, manager.store.url)
+        state = host_state(cb, manager, step, coord).get("data")
     if state is None:
         return None
     cb.data.set_state(state)
@@ -161,11 +186,7 @@ def restore(cb, step: int) -> None:
             f"{cb.manager.store.url}; "
             f"nothing was loaded. {detail}\nFix: build and compile the same model (layer names and shapes, "
             f"optimizer, metrics) before fit(), or start in a new directory.", e.mismatches) from None
-    try:   # (a process whose own host state is damaged fails every process, not only itself)
-        host = resume.host_state_together(cb.manager, step) or {}
-    except IncompatibleCheckpointError as e:   # saved by another number of processes
-        log.warning("ckpt_callbacks: not restoring the host RNG / data state of step %d: %s", step, e)
-        host = {}
+    host = host_state(cb, cb.manager, step)   # (damage on one process fails every process)
     move_data = host.get("data") is not None and cb._state_iterator() and step != data_at
     if move_data and cb._yields != cb._yields_mark:   # before anything is loaded
         raise ConfigError(

@@ -74,8 +74,8 @@ def _dataset():
 class _Iterator:
     """The dataset's batches in order, endlessly, with Grain's get_state()/set_state()."""
 
-    def __init__(self, ds, fail_at: int | None = None):
-        self.ds, self.pos = ds, 0
+    def __init__(self, ds, fail_at: int | None = None, pos: int = 0):
+        self.ds, self.pos = ds, pos
         self.calls, self.fail_at = 0, fail_at   # get_state() raises at its `fail_at`-th call
 
     def __iter__(self):
@@ -111,14 +111,18 @@ def digest(model) -> str:
 
 def fit(root: str, epochs: int, kind: str = "mp", save_freq=3, exit_at: int | None = None,
         exit_on_epoch_end: int | None = None, timeout_s: float | None = None, iterator: bool = False,
-        fail_get_state_on_1: int | None = None) -> dict:
+        fail_get_state_on_1: int | None = None, offset_iterators: bool = False, data_remap=None,
+        remap_to: int | None = None) -> dict:
     """`model.fit` with AsyncCheckpoint(root, save_freq, keep_last=2, keep_best=1) on every process.
 
     exit_at: every process leaves (``os._exit(17)``) at the begin of that batch of the run (counted
     from 1), once the save in flight has finished (a job killed between two saves);
     exit_on_epoch_end: process 1 leaves at the end of that epoch (counted from 1), before
     AsyncCheckpoint's epoch-end save, while the others go on to save;
-    fail_get_state_on_1: process 1's iterator (``iterator=True``) raises at that get_state() call.
+    fail_get_state_on_1: process 1's iterator (``iterator=True``) raises at that get_state() call;
+    offset_iterators: process i's iterator starts at position 100 * i;
+    data_remap: AsyncCheckpoint's, a dict (JSON: str keys); remap_to: data_remap=fn taking that
+    saved process's state for every process.
     """
     import keras
 
@@ -129,7 +133,12 @@ def fit(root: str, epochs: int, kind: str = "mp", save_freq=3, exit_at: int | No
     data, val = _dataset()
     kw = {} if timeout_s is None else {"timeout_s": timeout_s}
     if iterator:   # a get_state()/set_state() iterator over the same batches, fed through cb.batches()
-        data = _Iterator(data, fail_get_state_on_1 if jax.process_index() == 1 else None)
+        data = _Iterator(data, fail_get_state_on_1 if jax.process_index() == 1 else None,
+                         100 * jax.process_index() if offset_iterators else 0)
+    if data_remap is not None:
+        kw["data_remap"] = {int(k): v for k, v in data_remap.items()}
+    if remap_to is not None:
+        kw["data_remap"] = lambda saved, i, n: saved[remap_to]
     cb = AsyncCheckpoint(root, save_freq=save_freq, data=data, keep_last=2, keep_best=1, **kw)
     fit_input = dict(x=cb.batches(), steps_per_epoch=N_TRAIN // BATCH) if iterator else dict(x=data)
 
@@ -160,5 +169,6 @@ def fit(root: str, epochs: int, kind: str = "mp", save_freq=3, exit_at: int | No
     out.update(steps=cb.manager.all_steps(), best=cb.manager.best_step(), resumed=cb.resumed_step,
                digest=digest(model), bytes_written=stats.bytes_written if stats else None,
                bytes_total=stats.bytes_total if stats else None,
-               kernel=list(model.get_layer("d1").kernel.value.sharding.spec))
+               kernel=list(model.get_layer("d1").kernel.value.sharding.spec),
+               data_pos=data.pos if iterator else None)
     return out

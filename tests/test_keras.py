@@ -756,7 +756,8 @@ def test_configuration_errors(ckdir):
            ({"resume": "no"}, "resume"), ({"fallback": 1}, "fallback"), ({"monitor": None}, "monitor"),
            ({"max_staging_bytes": "64MB"}, "max_staging_bytes"), ({"verbose": "yes"}, "verbose"),
            ({"verbose": 5}, "verbose must be 0 .* or 1"), ({"timeout_s": 0}, "timeout_s"),
-           ({"timeout_s": "60"}, "timeout_s")]
+           ({"timeout_s": "60"}, "timeout_s"), ({"data_remap": [0]}, "data_remap must be a dict"),
+           ({"data_remap": {0: 0}}, "data_remap maps saved positions of a data= iterator")]
     for kwargs, match in bad:   # at construction, not in the middle of fit()
         with pytest.raises(cc.ConfigError, match=match):
             AsyncCheckpoint(ckdir, **kwargs)

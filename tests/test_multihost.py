@@ -13,6 +13,7 @@ import itertools
 import json
 import math
 import os
+import shutil
 import socket
 
 import hypothesis
@@ -490,3 +491,35 @@ def test_keras_iterator_whose_get_state_fails_on_one_process_fails_that_save_on_
     assert [r["error_type"] for r in res] == ["CheckpointSaveError", "RuntimeError"], res
     assert "process(es) [1] refused the call" in res[0]["error"] and "get_state failed" in res[0]["error"], res
     assert res[0]["steps"] == res[1]["steps"] == [3], res
+
+
+def test_keras_iterator_positions_of_two_processes_resume_on_one_process_only_through_data_remap(tmp_path):
+    """Saved by 2 processes, resumed by 1: which saved position the iterator continues from is not
+    known, so fit() raises before training, nothing lost (it took neither, with a warning, and the
+    pipeline restarted); `data_remap` says it, as a dict or a function."""
+    pytest.importorskip("keras")
+    import ckpt_callbacks as cc
+
+    run = tmp_path / "run"
+    args = {"root": str(run), "epochs": 1, "save_freq": "epoch", "iterator": True, "offset_iterators": True}
+    saved = _ok(launch("keras_multihost_worker:fit", 2, devices_per_process=4, timeout_s=180, args=args))
+    assert [r["steps"] for r in saved] == [[8], [8]], saved
+
+    def one(**kw):   # on a copy of the 2-process run
+        root = tmp_path / f"copy{len(list(tmp_path.iterdir()))}"
+        shutil.copytree(run, root)
+        (r,) = _ok(launch("keras_multihost_worker:fit", 1, devices_per_process=8, timeout_s=180,
+                          args=dict(args, root=str(root), epochs=2, **kw)))
+        return r
+
+    r = one()
+    assert r["error_type"] == "IncompatibleCheckpointError", r
+    assert "saved by 2 processes" in r["error"] and "data_remap" in r["error"], r
+    with cc.CheckpointManager(tmp_path / "copy1", read_only=True) as m:
+        assert m.all_steps() == [8] and m.host_state(8, process_index=1) is not None
+    by_dict, by_fn = one(data_remap={"0": 0}), one(remap_to=1)
+    assert by_dict["error_type"] is None and by_fn["error_type"] is None, (by_dict, by_fn)
+    assert by_dict["resumed"] == by_fn["resumed"] == 8 and by_fn["steps"] == [8, 16], (by_dict, by_fn)
+    # one more epoch of 8 batches from where process 0 / process 1 stood (1 started 100 further)
+    assert by_dict["data_pos"] == saved[0]["data_pos"] + 8, (saved, by_dict)
+    assert by_fn["data_pos"] == saved[1]["data_pos"] + 8, (saved, by_fn)
