@@ -501,7 +501,8 @@ def test_keras_iterator_positions_of_two_processes_resume_on_one_process_only_th
     import ckpt_callbacks as cc
 
     run = tmp_path / "run"
-    args = {"root": str(run), "epochs": 1, "save_freq": "epoch", "iterator": True, "offset_iterators": True}
+    args = {"root": str(run), "epochs": 1, "save_freq": "epoch", "iterator": True, "offset_iterators": True,
+            "kind": "dp"}   # (each process feeds its own part of the batch)
     saved = _ok(launch("keras_multihost_worker:fit", 2, devices_per_process=4, timeout_s=180, args=args))
     assert [r["steps"] for r in saved] == [[8], [8]], saved
 
