@@ -438,7 +438,7 @@ class CheckpointManager:
         ranked = p.rank(retain.step_infos(self))
         return ranked[0] if ranked else None
 
-    def restore(self, step: int | None = None, target=None, *, fallback: bool = False):
+    def restore(self, step: int | None = None, target=None, *, fallback: bool = False, partial: bool = False):
         """Restore `step` (latest committed when None) onto `target` (see `ckpt_callbacks.restore`).
 
         Example::
@@ -459,6 +459,10 @@ class CheckpointManager:
         `StorageUnavailableError` (on every process, when several move together) and is never a
         reason to fall back: it says nothing about the step.
 
+        With ``partial=True`` the target may hold a part of the saved tree: its leaves are restored
+        (each must match, as always), the checkpoint's others are left out, e.g. the parameters of a
+        training state without its optimizer state. A leaf of the target the step lacks still raises.
+
         A step deleted while it is read (a writer elsewhere saving on with `KeepLast`, say) raises
         `CheckpointNotFoundError`; with ``step=None`` in one process the steps are listed again
         and the new latest is read instead (a few times at most).
@@ -467,6 +471,10 @@ class CheckpointManager:
         tree)`` then ``restore(s)`` (or ``restore()``) reads step `s`.
         """
         check_flag("fallback", fallback)
+        check_flag("partial", partial)
+        if partial and target is None:
+            raise ConfigError("restore(partial=True) needs a target: the part of the saved tree to restore "
+                              "(target=None restores all of it)")
         self._check_process(reading=True)
         self._own_save_first()
         coord = None   # a read-only manager's processes agree when the target spans them
@@ -474,7 +482,7 @@ class CheckpointManager:
             coord = coordination.for_collective_read(self.coord, self.store.url)
         for attempt in range(3):
             try:
-                return resume.read(self, step, target, fallback, coord)
+                return resume.read(self, step, target, fallback, coord, partial)
             except CheckpointNotFoundError as e:   # (with several processes: raised on all of them alike)
                 if step is not None or not getattr(e, "deleted", False) or attempt == 2:
                     raise

@@ -313,10 +313,12 @@ def _host_value(rec: dict, data: np.ndarray):
     return data
 
 
-def restore(store: Store, step: int, target=None):
+def restore(store: Store, step: int, target=None, partial: bool = False):
     """Restore step `step`; see the module docstring. Raises IncompatibleCheckpointError listing every
     mismatched key path, CorruptCheckpointError naming the damaged leaf, CheckpointNotFoundError
-    when the step is deleted (or replaced) while it is being read.
+    when the step is deleted (or replaced) while it is being read. With `partial`, the saved leaves
+    that `target` lacks are neither required nor restored (every leaf it has must still match; a
+    packed blob is read whole when it holds one of the target's leaves).
 
     A writer's retention may delete the step meanwhile (another process training on, or this
     one's save in flight), and in a local directory the next save then writes over its chunk
@@ -326,7 +328,7 @@ def restore(store: Store, step: int, target=None):
     token = store.step_token(step)
     m = read_manifest(store, step)   # a step that is not there raises here, as it is
     try:
-        out = _restore(store, step, target, m)
+        out = _restore(store, step, target, m, partial)
     except (CorruptCheckpointError, CheckpointNotFoundError) as e:
         if changed(store, step, token):
             raise deleted_error(store, step) from e   # its files went: not damage
@@ -351,7 +353,7 @@ def deleted_error(store: Store, step: int) -> CheckpointNotFoundError:
     return e
 
 
-def _restore(store: Store, step: int, target, m: dict):
+def _restore(store: Store, step: int, target, m: dict, partial: bool = False):
     recs = m["leaves"]
     reader = leaf_reader(store, step, m)
     if target is None:
@@ -363,7 +365,7 @@ def _restore(store: Store, step: int, target, m: dict):
     except TypeError as e:   # a key or nesting no checkpoint can hold (save refuses them alike)
         raise InvalidTreeError(f"step {step}: the restore target cannot match any checkpoint: {e}. Fix: "
                                f"restore onto a target built like the saved state, or pass target=None") from None
-    order = treepath.match([r["p"] for r in recs], flat.paths)
+    order = treepath.match([r["p"] for r in recs], flat.paths, partial)
     problems = [p for i, t, path in zip(order, flat.leaves, flat.paths)
                 if (p := targets.check(recs[i], t, treepath.keystr(path)))]
     if problems:
@@ -376,7 +378,7 @@ def _restore(store: Store, step: int, target, m: dict):
         log.warning("ckpt_callbacks: step %d: %s was saved as a %s and is restored into the target's %s "
                     "(the same fields, so nothing refuses it); check that this is the state you meant, "
                     "e.g. that the optimizer did not change", step, where, saved, wanted)
-    reader.prefetch(recs)
+    reader.prefetch([recs[i] for i in order] if partial else recs)
     leaves = _put(_map(lambda it: _restore_leaf(reader, recs[it[0]], it[1]), list(zip(order, flat.leaves))))
     leaves = [_weak_as(v, t) for v, t in zip(leaves, flat.leaves)]
     treedef = jax.tree_util.tree_structure(target, is_leaf=lambda x: x is None)

@@ -49,7 +49,7 @@ def collective(target) -> bool:
                and not s.is_fully_addressable for leaf in leaves)
 
 
-def read(mngr, step, target, fallback: bool, coord=None):
+def read(mngr, step, target, fallback: bool, coord=None, partial: bool = False):
     """`CheckpointManager.restore` of one attempt: `step`, or the latest (with `fallback`, the newest
     intact) committed step, onto `target`; sets `mngr.restored_step`. The processes agree through
     `coord` (a read-only manager's collective restore) or a writing manager's own coordinator."""
@@ -85,7 +85,7 @@ def read(mngr, step, target, fallback: bool, coord=None):
             try:
                 if missing is not None:
                     raise missing
-                tree = restore_mod.restore(mngr.store, s, target)
+                tree = restore_mod.restore(mngr.store, s, target, partial)
                 if fallback:   # this process's host state (a data position) is the step's too
                     check_host_state(mngr, s)
             except IncompatibleCheckpointError as e:

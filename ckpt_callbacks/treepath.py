@@ -179,10 +179,11 @@ def rebuild(skeleton, leaves: list):
     return walk(skeleton)
 
 
-def match(saved_paths: list, target_paths: list) -> list[int]:
+def match(saved_paths: list, target_paths: list, partial: bool = False) -> list[int]:
     """For each target path, the index of the saved leaf with the same typed path.
 
-    Raises IncompatibleCheckpointError listing every path missing on either side.
+    Raises IncompatibleCheckpointError listing every path missing on either side (with `partial`,
+    only the target's: saved leaves the target lacks are left unread).
     """
     index = {tuple(map(tuple, p)): i for i, p in enumerate(saved_paths)}
     order, missing = [], []
@@ -191,6 +192,8 @@ def match(saved_paths: list, target_paths: list) -> list[int]:
         if i is None:
             missing.append(p)
         order.append(i)
+    if partial:
+        index = {}
     if missing or index:
         missing = [tuple(map(tuple, p)) for p in missing]
         extra = [tuple(map(tuple, saved_paths[i])) for i in sorted(index.values())]

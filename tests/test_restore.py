@@ -474,13 +474,13 @@ def test_a_latest_step_deleted_while_read_is_followed_by_the_new_latest(ckdir, m
     save(ckdir, {"a": np.full(3, 2.0)}, step=2)
     real, calls = restore_mod.restore, []
 
-    def racing(store, step, target=None):
+    def racing(store, step, target=None, partial=False):
         calls.append(step)
         if step == 2:   # meanwhile the trainer commits step 3 and its retention deletes step 2
             if 3 not in store.committed_steps():
                 save(ckdir, {"a": np.full(3, 3.0)}, step=3)
             raise restore_mod.deleted_error(store, step)
-        return real(store, step, target)
+        return real(store, step, target, partial)
 
     monkeypatch.setattr(restore_mod, "restore", racing)
     m = cc.CheckpointManager(ckdir, read_only=True)
@@ -833,3 +833,33 @@ def test_a_big_endian_numpy_target_gets_its_byte_order_back(ckdir):
         assert type(out[k]) is np.ndarray and out[k].dtype == v.dtype, (k, out[k].dtype)
         np.testing.assert_array_equal(out[k], v)
     assert m.restore()["be"].dtype == np.dtype("=f4")   # without a target: native, as recorded
+
+
+def test_partial_restore_reads_the_targets_part_and_still_checks_it(ckdir):
+    """A training state's parameters without its optimizer state: ``partial=True`` restores the
+    leaves the target has (onto its shardings) and leaves the checkpoint's others out; a leaf the
+    target has and the step lacks, or one that does not fit, still raises naming its key path."""
+    mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("x", "y"))
+    w = jax.device_put(jnp.arange(64.0).reshape(8, 8), NamedSharding(mesh, P("x", "y")))
+    state = {"params": {"w": w, "b": jnp.ones(3)}, "opt": {"mu": jnp.zeros((8, 8)), "count": jnp.int32(7)}}
+    with cc.CheckpointManager(ckdir) as m:
+        m.save(1, state)
+    with cc.CheckpointManager(ckdir, read_only=True) as m:
+        one = SingleDeviceSharding(jax.devices()[3])
+        target = {"params": {"w": jax.ShapeDtypeStruct((8, 8), jnp.float32, sharding=one), "b": np.zeros(3, np.float32)}}
+        out = m.restore(target=target, partial=True)
+        assert set(out) == {"params"} and set(out["params"]) == {"w", "b"}
+        assert out["params"]["w"].sharding == one and m.restored_step == 1
+        np.testing.assert_array_equal(out["params"]["w"], np.arange(64.0).reshape(8, 8))
+        np.testing.assert_array_equal(out["params"]["b"], np.ones(3))
+        with pytest.raises(cc.IncompatibleCheckpointError, match="differs"):   # without partial: strict
+            m.restore(target=target)
+        with pytest.raises(cc.IncompatibleCheckpointError, match=r"\['params'\]\['v'\]") as e:
+            m.restore(target={"params": {"v": np.zeros(3, np.float32)}}, partial=True)
+        assert e.value.mismatches == [("['params']['v']", "absent", "present")]
+        with pytest.raises(cc.IncompatibleCheckpointError, match=r"\['opt'\]\['count'\].*int32"):
+            m.restore(target={"opt": {"count": np.zeros((), np.float32)}}, partial=True)
+        with pytest.raises(cc.ConfigError, match="needs a target"):
+            m.restore(partial=True)
+        with pytest.raises(cc.ConfigError, match="partial"):
+            m.restore(target=target, partial="yes")
