@@ -37,6 +37,9 @@ Who calls what, in which order (Keras calls the hooks; on every process under mu
   * `on_train_end`: waits for the last save, applies retention, closes the manager; a background
     failure is raised here, never swallowed.
 
+To load a checkpoint's weights into a model without `fit` (evaluation, inference, export):
+`load_weights` (`ckpt_callbacks.keras_load`).
+
 Where a resumed fit starts (the restore, the data's position): `ckpt_callbacks.keras_resume`;
 which way metrics rank and the retention built from the arguments: `ckpt_callbacks.keras_policy`.
 A save takes ``model.get_state_tree()`` (`ckpt_callbacks.keras_state`; trainable, non-trainable incl. seed-generator state,
@@ -65,10 +68,11 @@ from . import keras_policy, keras_resume, keras_state
 from .checks import check_flag, check_save_options, check_timeout
 from .errors import ConfigError
 from .keras_data import ResumableDataset
+from .keras_load import load_weights
 from .manager import CheckpointManager
 from .retention import KeepBest, KeepLast, as_policies
 
-__all__ = ["AsyncCheckpoint", "ResumableDataset"]
+__all__ = ["AsyncCheckpoint", "ResumableDataset", "load_weights"]
 
 log = logging.getLogger("ckpt_callbacks")
 

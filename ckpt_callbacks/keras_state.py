@@ -26,10 +26,10 @@ import numpy as np
 
 from .errors import ConfigError, IncompatibleCheckpointError
 
-__all__ = ["PROGRESS", "state_tree", "assign", "flatten", "rng_state", "set_rng_state", "numeric_logs"]
+__all__ = ["PROGRESS", "OPTIMIZER", "state_tree", "assign", "flatten", "rng_state", "set_rng_state", "numeric_logs"]
 
 PROGRESS = ("epoch", "batch", "global_step", "best", "version")   # the run's position, saved beside the model
-_OPTIMIZER = "optimizer"
+OPTIMIZER = "optimizer"
 
 
 def flatten(nested: dict, prefix: str = "") -> dict:
@@ -53,27 +53,33 @@ def state_tree(model) -> dict:
                           f"{e}\nFix: give each variable of a layer its own name (add_weight(name=...))") from e
     opt = tree["optimizer_variables"]
     name = model.optimizer.name
-    if name in opt and _OPTIMIZER not in opt:
-        opt[_OPTIMIZER] = opt.pop(name)
+    if name in opt and OPTIMIZER not in opt:
+        opt[OPTIMIZER] = opt.pop(name)
     return tree
 
 
+GROUPS = ("trainable_variables", "non_trainable_variables", "optimizer_variables", "metrics_variables")
+
+
+def _variables(model, group: str) -> list:
+    if group == "optimizer_variables":
+        return model.optimizer.variables
+    return getattr(model, group)
+
+
 def _saved_path(model, group: str, path: str) -> str:
+    if group != "optimizer_variables":
+        return path
     name = model.optimizer.name
-    if group == "optimizer_variables" and path.startswith(name + "/"):
-        return _OPTIMIZER + path[len(name):]
-    return path
+    return OPTIMIZER + path[len(name):] if path.startswith(name + "/") else path
 
 
-def assign(model, values: dict) -> None:
-    """Assign every variable of `model` from `values` (a `state_tree` as restored). All paths are
-    checked before any is assigned: a model is never left half loaded."""
-    groups = {"trainable_variables": model.trainable_variables,
-              "non_trainable_variables": model.non_trainable_variables,
-              "optimizer_variables": model.optimizer.variables,
-              "metrics_variables": model.metrics_variables}
+def assign(model, values: dict, groups: tuple = GROUPS) -> None:
+    """Assign every variable of `model` in `groups` from `values` (a `state_tree` as restored).
+    All paths are checked before any is assigned: a model is never left half loaded."""
     plan = []
-    for group, variables in groups.items():
+    for group in groups:
+        variables = _variables(model, group)
         flat = flatten(values[group])
         paths = [_saved_path(model, group, v.path) for v in variables]
         missing = [p for p in paths if p not in flat]

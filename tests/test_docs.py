@@ -75,7 +75,7 @@ def test_every_module_docstring_example_runs_as_written(tmp_path):
 _ENTRY_POINTS = r'''
 import inspect, os, sys, textwrap, traceback
 import ckpt_callbacks as cc
-from ckpt_callbacks.keras import AsyncCheckpoint, ResumableDataset
+from ckpt_callbacks.keras import AsyncCheckpoint, ResumableDataset, load_weights
 from ckpt_callbacks.flax import CheckpointHook
 tmp = sys.argv[1]
 
@@ -93,7 +93,7 @@ def example(obj):
     return textwrap.dedent("\n".join(block))
 
 classes = [cc.CheckpointManager, AsyncCheckpoint, CheckpointHook, ResumableDataset]
-functions = [cc.retention_from_config, cc.KeepLast, cc.KeepEvery, cc.KeepSteps, cc.KeepBest, cc.KeepEveryNSeconds]
+functions = [load_weights, cc.retention_from_config, cc.KeepLast, cc.KeepEvery, cc.KeepSteps, cc.KeepBest, cc.KeepEveryNSeconds]
 missing, failed, ran = [], [], 0
 for obj in classes + functions:
     members = []
@@ -123,4 +123,4 @@ def test_entry_point_docstrings_start_with_an_example_that_runs(tmp_path):
                        timeout=600, cwd=tmp_path,
                        env={**os.environ, "JAX_PLATFORMS": "cpu", "KERAS_BACKEND": "jax"})
     out = r.stdout
-    assert r.returncode == 0 and "missing: []\nfailed: []\nran 26" in out, out[-6000:] + r.stderr[-3000:]
+    assert r.returncode == 0 and "missing: []\nfailed: []\nran 27" in out, out[-6000:] + r.stderr[-3000:]

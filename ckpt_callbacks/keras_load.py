@@ -1,0 +1,132 @@
+"""Load the weights of an `AsyncCheckpoint` checkpoint into a Keras model: for evaluation,
+inference or export, without `fit`.
+
+Example::
+
+    import os; os.environ.setdefault("KERAS_BACKEND", "jax")
+    import keras, numpy as np
+    import ckpt_callbacks as cc
+    from ckpt_callbacks.keras import AsyncCheckpoint, load_weights
+
+    def make():   # the same layers (names, shapes) as the run that saved
+        return keras.Sequential([keras.Input((4,)), keras.layers.Dense(1, name="out")], name="net")
+    model = make(); model.compile(optimizer="adam", loss="mse")
+    model.fit(np.ones((32, 4)), np.ones((32, 1)), validation_split=0.25, epochs=3, verbose=0,
+              callbacks=[AsyncCheckpoint("/tmp/run", keep_best=1)])
+
+    served = make()                              # built, not compiled: no optimizer needed
+    step = load_weights(served, "/tmp/run")      # the latest committed step (returned)
+    best = cc.CheckpointManager("/tmp/run", read_only=True, retention=cc.KeepBest("val_loss")).best_step()
+    load_weights(served, "/tmp/run", best)       # or a step by number
+
+Who calls what: the user, on the main thread, on every process of a multi-process run (the
+model's variables may span processes; a read-only `CheckpointManager` reads the step, and every
+process restores the same one). Only the model's trainable and non-trainable variables are
+read (and, with ``optimizer=True``, the optimizer's); nothing is written, and a training run
+may go on saving into the directory meanwhile.
+"""
+
+from __future__ import annotations
+
+from .errors import ConfigError, IncompatibleCheckpointError
+from .checks import check_flag
+from .keras_state import OPTIMIZER, assign
+from .manager import CheckpointManager
+from .restore import read_manifest
+from . import treepath
+
+__all__ = ["load_weights"]
+
+
+def _nested(variables, rename=None) -> dict:
+    """Variables as the nested dict of their paths (as `model.get_state_tree()` nests them)."""
+    out: dict = {}
+    for v in variables:
+        path = rename(v.path) if rename else v.path
+        *parents, name = path.split("/")
+        node = out
+        for p in parents:
+            node = node.setdefault(p, {})
+        if name in node:
+            raise ConfigError(f"load_weights: the model has two variables at {path!r}. Fix: give each layer "
+                              f"and variable its own name, as in the run that saved")
+        node[name] = v.value
+    return out
+
+
+def _check_no_variable_left_out(mngr, step: int, target: dict, name: str, groups: dict) -> None:
+    """The restore left out the saved leaves the target lacks (the optimizer's, the metrics', the
+    run's progress); a saved variable of a loaded group that the model lacks means another model."""
+    have = {tuple(map(tuple, p)) for p in treepath.flatten(target).paths}
+    heads = [(("d", "model"), ("d", g)) for g in groups]
+    extra = [tuple(map(tuple, r["p"])) for r in read_manifest(mngr.store, step)["leaves"]]
+    extra = [p for p in extra if p[:2] in heads and p not in have]
+    if extra:
+        lines = "\n".join(f"  {treepath.keystr(p)}" for p in extra[:50])
+        raise IncompatibleCheckpointError(
+            f"load_weights: step {step} in {mngr.store.url} holds {len(extra)} variable(s) that {name!r} lacks; "
+            f"nothing was loaded:\n{lines}\nFix: build the model of the run that saved (the same layers and "
+            f"names)", [(treepath.keystr(p), "present", "absent") for p in extra])
+
+
+def load_weights(model, directory, step: int | None = None, *, optimizer: bool = False) -> int:
+    """Assign `model`'s variables from step `step` (the latest committed when None) of an
+    `AsyncCheckpoint` directory, and return the step read.
+
+    Example::
+
+        import keras, numpy as np
+        from ckpt_callbacks.keras import AsyncCheckpoint, load_weights
+        make = lambda: keras.Sequential([keras.Input((2,)), keras.layers.Dense(1, name="out")], name="net")
+        model = make(); model.compile(optimizer="sgd", loss="mse")
+        model.fit(np.ones((8, 2)), np.ones((8, 1)), epochs=2, verbose=0, callbacks=[AsyncCheckpoint("/tmp/run")])
+        load_weights(make(), "/tmp/run")   # 2: the latest step, into a model that was never compiled
+
+    Args:
+      model: a built Keras model with the layers of the run that saved (the same layer names
+        and shapes; Keras numbers unnamed layers per process, so name them, or build the model
+        in a fresh process as training did). It need not be compiled.
+      directory: the callback's directory (a path, ``s3://`` or ``gs://`` URL).
+      step: a committed step; None for the latest. The best by a metric:
+        ``cc.CheckpointManager(directory, read_only=True, retention=cc.KeepBest("val_loss")).best_step()``.
+      optimizer: also load the optimizer's variables (its slots and iteration count); the model
+        must then be compiled with the optimizer of the run that saved.
+
+    Each variable is restored onto its own sharding. The saved tree must hold every variable
+    of the model: a missing or differently shaped one raises `IncompatibleCheckpointError`
+    naming its key path, before any is assigned (the model is never left half loaded). Metrics
+    and the run's progress (epoch, RNGs, data position) are not loaded: to train on, use
+    `AsyncCheckpoint`, which resumes all of it.
+    """
+    check_flag("optimizer", optimizer)
+    if not getattr(model, "built", False) or not model.variables:
+        raise ConfigError(f"load_weights: {model.name!r} has no variables yet. Fix: build it first (a "
+                          f"keras.Input as its first layer, model.build(shape), or call it on a batch)")
+    groups = {"trainable_variables": model.trainable_variables,
+              "non_trainable_variables": model.non_trainable_variables}
+    rename = None
+    if optimizer:
+        opt = getattr(model, "optimizer", None)
+        if opt is None:
+            raise ConfigError(f"load_weights(optimizer=True): {model.name!r} is not compiled. Fix: compile it "
+                              f"with the optimizer of the run that saved, or leave optimizer=False")
+        if not opt.built:
+            opt.build(model.trainable_variables)
+        groups["optimizer_variables"] = opt.variables
+        prefix = opt.name + "/"
+        rename = lambda p: OPTIMIZER + p[len(opt.name):] if p.startswith(prefix) else p  # noqa: E731
+    target = {"model": {g: _nested(vs, rename if g == "optimizer_variables" else None) for g, vs in groups.items()}}
+    with CheckpointManager(directory, read_only=True) as mngr:
+        try:
+            tree = mngr.restore(step, target, partial=True)
+        except IncompatibleCheckpointError as e:
+            detail = "\n".join(line for line in str(e).splitlines() if not line.startswith("Fix:"))
+            raise IncompatibleCheckpointError(
+                f"load_weights: {model.name!r} does not match step {getattr(e, 'step', step)} in {mngr.store.url}; "
+                f"nothing was loaded. {detail}\nFix: build the model of the run that saved (the same layer names and "
+                f"shapes), or restore with cc.CheckpointManager(...).restore(target=None) and pick what you "
+                f"need.", e.mismatches) from None
+        step = mngr.restored_step
+        _check_no_variable_left_out(mngr, step, target, model.name, groups)
+    assign(model, tree["model"], groups=tuple(groups))
+    return step
