@@ -41,14 +41,15 @@ def _distribution(kind: str):
     return keras.distribution.ModelParallel(layout_map=layouts, batch_dim_name="batch", auto_shard_dataset=False)
 
 
-def _model():
+def _model(compile: bool = True, seed: int = 0):
     import keras
 
-    keras.utils.set_random_seed(0)
+    keras.utils.set_random_seed(seed)
     model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu", name="d1"),
                               keras.layers.Dropout(0.2, name="drop"),
                               keras.layers.Dense(1, activation="sigmoid", name="out")], name="net")
-    model.compile(optimizer="adam", loss="binary_crossentropy", metrics=["accuracy"])
+    if compile:
+        model.compile(optimizer="adam", loss="binary_crossentropy", metrics=["accuracy"])
     return model
 
 
@@ -96,17 +97,35 @@ class _Iterator:
         self.pos = state["pos"]
 
 
-def digest(model) -> str:
-    """A hash of every variable's global value (gathered from all processes)."""
+def _global(value) -> np.ndarray:
+    """A variable's global value on every process (gathered where it spans processes)."""
     from jax.experimental import multihost_utils
 
+    if isinstance(value, jax.Array) and not value.is_fully_addressable:
+        value = multihost_utils.process_allgather(value, tiled=True)
+    return np.asarray(value)
+
+
+def digest(model) -> str:
+    """A hash of every variable's global value (gathered from all processes)."""
     h = hashlib.sha256()
     for v in model.variables + model.optimizer.variables:
-        value = v.value
-        if isinstance(value, jax.Array) and not value.is_fully_addressable:
-            value = multihost_utils.process_allgather(value, tiled=True)
-        h.update(v.path.encode() + np.asarray(value).tobytes())
+        h.update(v.path.encode() + _global(v.value).tobytes())
     return h.hexdigest()[:16]
+
+
+def load(root: str, kind: str = "mp") -> dict:
+    """`load_weights` of the latest step into the run's model, built (other initial values) under
+    `kind`'s distribution and not compiled: the step and each variable's global value (as lists)."""
+    from ckpt_callbacks.keras import load_weights
+
+    import keras
+
+    keras.distribution.set_distribution(_distribution(kind))
+    model = _model(compile=False, seed=1)
+    step = load_weights(model, root)
+    return {"step": step, "values": {v.path: _global(v.value).tolist() for v in model.variables},
+            "kernel": list(model.get_layer("d1").kernel.value.sharding.spec)}
 
 
 def fit(root: str, epochs: int, kind: str = "mp", save_freq=3, exit_at: int | None = None,

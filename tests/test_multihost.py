@@ -19,12 +19,14 @@ import socket
 import hypothesis
 import hypothesis.strategies as st
 import jax
+import numpy as np
 import pytest
 
 import ckpt_callbacks as cc
 import multihost_worker as W
 from ckpt_callbacks import coordination, layout, snapshot
 from ckpt_callbacks import format as fmt
+from ckpt_callbacks.keras_state import flatten
 from ckpt_callbacks.restore import read_manifest
 from ckpt_callbacks.storage import open_store
 from multiproc import launch
@@ -422,6 +424,24 @@ def test_keras_two_process_checkpoint_resumes_on_one_process_and_on_data_paralle
         (r,) = _ok(launch("keras_multihost_worker:fit", 1, devices_per_process=8, timeout_s=180,
                           args={"root": str(root / "whole"), "epochs": 2, "kind": kind}))
         assert (r["resumed"], r["digest"]) == (16, whole[0]["digest"]), kind
+
+
+def test_keras_load_weights_on_two_processes_and_on_one_gives_the_saved_weights(keras_run):
+    """`keras.load_weights` into a model under ModelParallel whose kernel spans the two processes
+    (each restores its own half), and into one process's 8-way DataParallel model."""
+    root, whole, _ = keras_run
+    with cc.CheckpointManager(str(root / "whole"), read_only=True) as m:
+        saved = m.restore(16)["model"]
+    want = {**flatten(saved["trainable_variables"]), **flatten(saved["non_trainable_variables"])}
+    two = _ok(launch("keras_multihost_worker:load", 2, devices_per_process=4, timeout_s=180,
+                     args={"root": str(root / "whole")}))
+    (one,) = _ok(launch("keras_multihost_worker:load", 1, devices_per_process=8, timeout_s=180,
+                        args={"root": str(root / "whole"), "kind": "dp"}))
+    assert two[0]["kernel"] == [None, "model"]
+    for r in two + [one]:
+        assert r["step"] == 16 and set(r["values"]) == set(want)
+        for path, value in r["values"].items():
+            np.testing.assert_array_equal(np.asarray(value, want[path].dtype), want[path], err_msg=path)
 
 
 def test_keras_resume_onto_a_damaged_host_state_of_one_process_fails_on_every_process(keras_run, tmp_path):
