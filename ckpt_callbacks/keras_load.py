@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from .errors import ConfigError, IncompatibleCheckpointError
 from .checks import check_flag
-from .keras_state import OPTIMIZER, assign
+from .keras_state import OPTIMIZER, assign, mismatch
 from .manager import CheckpointManager
 from .restore import read_manifest
 from . import treepath
@@ -120,12 +120,9 @@ def load_weights(model, directory, step: int | None = None, *, optimizer: bool =
         try:
             tree = mngr.restore(step, target, partial=True)
         except IncompatibleCheckpointError as e:
-            detail = "\n".join(line for line in str(e).splitlines() if not line.startswith("Fix:"))
-            raise IncompatibleCheckpointError(
-                f"load_weights: {model.name!r} does not match step {getattr(e, 'step', step)} in {mngr.store.url}; "
-                f"nothing was loaded. {detail}\nFix: build the model of the run that saved (the same layer names and "
-                f"shapes), or restore with cc.CheckpointManager(...).restore(target=None) and pick what you "
-                f"need.", e.mismatches) from None
+            raise mismatch(e, f"load_weights: {model.name!r}", mngr.store.url, step,
+                           "build the model of the run that saved (the same layer names and shapes), or restore "
+                           "with cc.CheckpointManager(...).restore(target=None) and pick what you need.") from None
         step = mngr.restored_step
         _check_no_variable_left_out(mngr, step, target, model.name, groups)
     assign(model, tree["model"], groups=tuple(groups))

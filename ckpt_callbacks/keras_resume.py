@@ -180,12 +180,9 @@ def restore(cb, step: int) -> None:
         else:
             tree = cb.manager.restore(step, target=target)
     except IncompatibleCheckpointError as e:
-        detail = "\n".join(line for line in str(e).splitlines() if not line.startswith("Fix:"))
-        raise IncompatibleCheckpointError(
-            f"AsyncCheckpoint: the model does not match checkpoint step {getattr(e, 'step', step)} in "
-            f"{cb.manager.store.url}; "
-            f"nothing was loaded. {detail}\nFix: build and compile the same model (layer names and shapes, "
-            f"optimizer, metrics) before fit(), or start in a new directory.", e.mismatches) from None
+        raise keras_state.mismatch(e, "AsyncCheckpoint: the model", cb.manager.store.url, step,
+                                   "build and compile the same model (layer names and shapes, optimizer, "
+                                   "metrics) before fit(), or start in a new directory.") from None
     host = host_state(cb, cb.manager, step)   # (damage on one process fails every process)
     move_data = host.get("data") is not None and cb._state_iterator() and step != data_at
     if move_data and cb._yields != cb._yields_mark:   # before anything is loaded

@@ -26,7 +26,8 @@ import numpy as np
 
 from .errors import ConfigError, IncompatibleCheckpointError
 
-__all__ = ["PROGRESS", "OPTIMIZER", "state_tree", "assign", "flatten", "rng_state", "set_rng_state", "numeric_logs"]
+__all__ = ["PROGRESS", "OPTIMIZER", "state_tree", "assign", "flatten", "rng_state", "set_rng_state", "numeric_logs",
+           "mismatch"]
 
 PROGRESS = ("epoch", "batch", "global_step", "best", "version")   # the run's position, saved beside the model
 OPTIMIZER = "optimizer"
@@ -116,3 +117,12 @@ def numeric_logs(logs) -> dict:
         except (TypeError, ValueError):
             pass
     return out
+
+
+def mismatch(e: IncompatibleCheckpointError, what: str, url: str, step, fix: str) -> IncompatibleCheckpointError:
+    """A restore's `e` retold of a Keras model (`what`, e.g. "AsyncCheckpoint: the model"): the
+    step, the directory, every mismatched key path, and `fix` instead of the restore's own."""
+    detail = "\n".join(line for line in str(e).splitlines() if not line.startswith("Fix:"))
+    return IncompatibleCheckpointError(
+        f"{what} does not match checkpoint step {getattr(e, 'step', step)} in {url}; nothing was loaded. "
+        f"{detail}\nFix: {fix}", e.mismatches)
