@@ -52,10 +52,9 @@ def agree(mngr, step: int, metrics: dict, refused: Exception | None,
     mine, error = [step, why, metrics if refused is None else {}, None, False, None, digest], None
     if pi == 0:
         try:
-            steps = mngr.all_steps()
-            mine[3:5] = [os.urandom(6).hex(), step in steps]
+            mine[3:5] = [os.urandom(6).hex(), mngr.store.has_step(step)]
             if not replace:
-                warn_below(mngr, step, steps)
+                warn_below(mngr, step)
         except Exception as e:  # noqa: BLE001 - told to the others, then raised everywhere
             error = e
             mine[5] = f"{type(e).__name__}: {mngr.store.redact(str(e))}"
@@ -107,14 +106,20 @@ def _refuse_other_trees(mngr, step: int, got: list, lines: list) -> None:
         + "; ".join(f"process {p} at {w}" for p, w in failures.items()) + "; nothing was started", failures)
 
 
-def warn_below(mngr, step: int, steps: list) -> None:
+def warn_below(mngr, step: int) -> None:
     """(Process 0, once per manager.) A save below the directory's latest committed step, e.g. a
     new run started in an old run's directory without restoring: retention ranks steps by
     number, so `KeepLast` deletes such a step right after it commits, and a later restore
     reads the old run's latest; a step that run committed is not saved again (the Flax hook
     skips it without a word). Said, not refused: the save goes on. Not said where this manager
-    committed the latest step itself (the run is this one; e.g. a final save of an earlier step)."""
-    if mngr._warned_below or not steps or step >= steps[-1] or mngr._top_saved >= steps[-1]:
+    committed the latest step itself (the run is this one; e.g. a final save of an earlier step).
+    The steps are listed only until then: this manager is the directory's only writer (its
+    lock), so no newer step can appear but its own, and a save need not list thousands of steps."""
+    if mngr._warned_below or mngr._top_saved >= mngr._listed_top:
+        return
+    steps = mngr.all_steps()
+    mngr._listed_top = steps[-1] if steps else -1
+    if not steps or step >= steps[-1] or mngr._top_saved >= steps[-1]:
         return
     mngr._warned_below = True
     log.warning("ckpt_callbacks: saving step %d below the latest committed step %d in %s (an earlier "

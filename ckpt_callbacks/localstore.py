@@ -106,8 +106,15 @@ class LocalStore(Store):
         return sorted(s for s in map(fmt.parse_step_name, names) if s is not None)
 
     def has_step(self, step: int) -> bool:
-        # the name `committed_steps` would list (a `step_N` entry, damaged or not): one lstat
-        return os.path.lexists(self.path(fmt.step_name(step)))
+        # the name `committed_steps` would list (a `step_N` entry, damaged or not): one lstat, whose
+        # failure other than "no such entry" is raised as a failed listing is (not taken for "absent")
+        try:
+            os.lstat(self.path(fmt.step_name(step)))
+            return True
+        except FileNotFoundError:
+            return False
+        except NotADirectoryError:
+            raise CheckpointError(f"{self.root} is a file, not a checkpoint directory") from None
 
     def staging(self, step: int, token: str) -> str:
         """The staging directory (relative) that `begin` makes for the save `token` of `step`."""

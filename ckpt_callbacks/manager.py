@@ -161,6 +161,7 @@ class CheckpointManager:
         self.restored_step: int | None = None   # the step the last restore() read
         self._warned_below = False   # `agreement.warn_below` said it once
         self._top_saved = -1   # the highest step this manager committed (`agreement.warn_below`)
+        self._listed_top = float("inf")   # the latest step when `agreement.warn_below` last listed them
         self._warned_unranked: set[str] = set()   # `agreement.warn_unranked` said it for these metrics
         self._thread: threading.Thread | None = None   # the save in flight's `_writer`
         self._pool = hostmem.HostPool()   # warm buffers for the copies of host-side leaves

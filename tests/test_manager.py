@@ -93,6 +93,28 @@ def test_saving_below_an_earlier_runs_latest_step_is_said_once(ckdir, caplog):
     assert "below the latest" not in caplog.text
 
 
+def test_a_save_does_not_list_every_committed_step_once_the_run_is_past_them(ckdir, monkeypatch):
+    """A run keeping every step (thousands of them) listed them all in each save() (8 ms of
+    blocking per save at 5,000 steps here): once this manager committed the directory's latest
+    step, no other writer can add one (the lock), so a save asks about its own step only."""
+    with cc.CheckpointManager(ckdir) as m:
+        for s in (1, 2, 3):
+            m.save(s, tree(s))
+    with cc.CheckpointManager(ckdir) as m:
+        listed = []
+        real = m.store.committed_steps
+        monkeypatch.setattr(m.store, "committed_steps", lambda: listed.append(1) or real())
+        m.save(4, tree(4))
+        m.wait_until_finished()
+        assert len(listed) == 1          # the first save looks for an earlier run's newer steps
+        for s in (5, 6, 7):
+            m.save(s, tree(s))
+            m.wait_until_finished()
+        assert len(listed) == 1
+        assert not m.save(7, tree(7))    # committed already: still found, without a listing
+        assert len(listed) == 1 and m.all_steps() == [1, 2, 3, 4, 5, 6, 7]
+
+
 def test_an_outage_while_reading_metrics_skips_retention_instead_of_deleting_the_best(ckdir, monkeypatch, caplog):
     from ckpt_callbacks import restore as restore_mod
     policy = cc.KeepBest("loss", "min", 1)
@@ -659,16 +681,18 @@ def test_an_outage_when_save_is_called_is_a_save_error_and_the_next_save_works(c
     with cc.CheckpointManager(ckdir) as m:
         m.save(1, tree(1))
         m.wait_until_finished()
-        real = m.store.committed_steps
+        real = m.store.committed_steps, m.store.has_step
 
-        def unreachable():
+        def unreachable(*args):
             raise cc.StorageUnavailableError("list commits/ failed: connection refused")
         monkeypatch.setattr(m.store, "committed_steps", unreachable)
+        monkeypatch.setattr(m.store, "has_step", unreachable)
         with pytest.raises(cc.CheckpointSaveError, match="step 2 was not saved") as info:
             m.save(2, tree(2))
         assert isinstance(info.value.__cause__, cc.StorageUnavailableError)
         assert info.value.failures[0].startswith("StorageUnavailableError")
-        monkeypatch.setattr(m.store, "committed_steps", real)
+        monkeypatch.setattr(m.store, "committed_steps", real[0])
+        monkeypatch.setattr(m.store, "has_step", real[1])
         m.save(3, tree(3))
         m.wait_until_finished()
         assert m.all_steps() == [1, 3]
