@@ -202,17 +202,17 @@ def save_and_check(root: str, one_process_dir: str | None = None, mesh_shape=(2,
     with cc.CheckpointManager(os.path.join(root, "outage"), timeout_s=60) as mngr:
         mngr.save(1, {"w": tree["w"]})
         mngr.wait_until_finished()
-        real = mngr.store.committed_steps
+        real, real_has = mngr.store.committed_steps, mngr.store.has_step
         if pi == 0:
-            def unreachable():
+            def unreachable(*_):
                 raise cc.StorageUnavailableError("list commits/ failed: connection refused")
-            mngr.store.committed_steps = unreachable
+            mngr.store.committed_steps = mngr.store.has_step = unreachable
         try:
             mngr.save(2, {"w": tree["w"]})
             out["outage_save"] = None
         except cc.CheckpointError as e:
             out["outage_save"] = [type(e).__name__, str(e)]
-        mngr.store.committed_steps = real
+        mngr.store.committed_steps, mngr.store.has_step = real, real_has
         t0 = time.monotonic()
         mngr.save(3, {"w": tree["w"]})
         mngr.wait_until_finished()
@@ -255,13 +255,13 @@ def refusals(root: str, w) -> dict:
         from ckpt_callbacks import restore as restore_mod
         real, calls = restore_mod.restore, []
 
-        def flaky(store, step, target=None):
+        def flaky(store, step, target=None, partial=False):
             calls.append(step)
             if pi == 1 and len(calls) == 1:
                 raise restore_mod.deleted_error(store, step)
             if pi == 1 and len(calls) == 3:
                 raise cc.CorruptCheckpointError(f"step {step}: simulated damage on process 1")
-            return real(store, step, target)
+            return real(store, step, target, partial)
         restore_mod.restore = flaky
         try:
             out["deleted_restore"] = [mngr.restore()["w"].shape[0], mngr.restored_step, len(calls)]
@@ -274,10 +274,10 @@ def refusals(root: str, w) -> dict:
             # (process 0 returned while process 1 raised), then a step listed on process 0 only
             spec = {"w": jax.ShapeDtypeStruct(w.shape, w.dtype, sharding=w.sharding)}
 
-            def damaged_on_1(store, step, target=None):
+            def damaged_on_1(store, step, target=None, partial=False):
                 if pi == 1:
                     raise cc.CorruptCheckpointError(f"step {step}: simulated damage on process 1")
-                return real(store, step, target)
+                return real(store, step, target, partial)
             restore_mod.restore = damaged_on_1
             for case, listed in (("named_damaged", None), ("named_unlisted", [6] if pi == 0 else [5])):
                 real_steps = mngr.all_steps
