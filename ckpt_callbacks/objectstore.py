@@ -101,12 +101,9 @@ class ObjectStore(Store):
 
     def __init__(self, url: str, *, retries: int | None = None, backoff_s: float | None = None,
                  max_backoff_s: float | None = None, stale_after_s: float | None = None):
-        u = urllib.parse.urlparse(url)
-        if u.scheme not in ("s3", "gs") or not u.netloc:
-            raise ConfigError(f"{url!r}: expected s3://bucket/prefix or gs://bucket/prefix")
-        self.scheme, self.bucket = u.scheme, u.netloc
-        self.prefix = u.path.strip("/") + "/" if u.path.strip("/") else ""
-        self.url = f"{u.scheme}://{u.netloc}/{self.prefix}"
+        self.scheme, self.bucket, path = _split_url(url)
+        self.prefix = path.strip("/") + "/" if path.strip("/") else ""
+        self.url = f"{self.scheme}://{self.bucket}/{self.prefix}"
         self.retries = int(retries if retries is not None else _env_float("CKPT_CALLBACKS_IO_RETRIES", 8))
         self.backoff_s = backoff_s if backoff_s is not None else _env_float("CKPT_CALLBACKS_IO_BACKOFF_S", 0.5)
         self.max_backoff_s = (max_backoff_s if max_backoff_s is not None
@@ -332,6 +329,28 @@ class ObjectStore(Store):
 
     def check_writable(self) -> None:
         self._list(MARKERS)   # a missing bucket or unreachable endpoint fails here, clearly
+
+
+def _split_url(url: str) -> tuple[str, str, str]:
+    """``(scheme, bucket, path)`` of ``s3://bucket/path`` or ``gs://bucket/path``, the path taken
+    literally, as the AWS and Google tools take it: ``?`` and ``#`` are part of the key (a URL
+    parser dropped them, and the steps went to another prefix) and nothing is percent-decoded.
+
+    Raises `ConfigError` for a path segment ``.`` or ``..`` (an S3 client removes it from the
+    request path: the objects landed under another key, ``..`` above the prefix, while listings
+    looked under this one, so every save returned and none was ever committed) and for control
+    characters (which no provider accepts in a key)."""
+    scheme, sep, rest = url.lstrip().partition("://")
+    scheme, (bucket, _, path) = scheme.lower(), rest.partition("/")
+    if scheme not in ("s3", "gs") or not sep or not bucket:
+        raise ConfigError(f"{url!r}: expected s3://bucket/prefix or gs://bucket/prefix")
+    if {".", ".."} & set(path.split("/")):
+        raise ConfigError(f"{url!r}: a '.' or '..' segment in an object-store prefix is not a directory: S3 "
+                          f"clients remove it from the request, so the objects would land under another prefix. "
+                          f"Fix: write the prefix without it (e.g. {scheme}://{bucket}/runs/exp1)")
+    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in path):
+        raise ConfigError(f"{url!r}: an object-store prefix cannot hold control characters (newline, tab, ...)")
+    return scheme, bucket, path
 
 
 def _marker(name: str, token: str) -> bytes:

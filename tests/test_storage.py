@@ -311,6 +311,34 @@ def test_an_object_store_url_without_a_bucket_is_a_config_error(url):
         cc.CheckpointManager(url)
 
 
+def test_a_prefix_holding_query_or_fragment_characters_is_taken_literally(objstore):
+    """``?`` and ``#`` are key characters to S3 and GCS (and to their own tools); a URL parser cut
+    them off, and ``.../run?v=2`` saved into ``.../run/``, over another run's steps."""
+    with cc.CheckpointManager(objstore.url + "/run", retention=cc.KeepLast(1)) as other:
+        other.save(1, {"w": np.zeros(3)})
+    for suffix in ("/run?v=2", "/run#2", "/rün 2/x"):
+        with cc.CheckpointManager(objstore.url + suffix, retention=cc.KeepLast(1)) as m:
+            m.save(5, {"w": np.arange(3.0)})
+        assert cc.CheckpointManager(objstore.url + suffix, read_only=True).all_steps() == [5]
+        # the scheme's case and leading blanks, as a URL parser reads them
+        assert cc.CheckpointManager(" " + objstore.url.upper()[:2] + objstore.url[2:] + suffix,
+                                    read_only=True).all_steps() == [5]
+    keys = objstore.keys()
+    for prefix in ("run?v=2/", "run#2/", "rün 2/x/"):
+        assert prefix + "commits/step_0000000005" in keys
+    assert cc.CheckpointManager(objstore.url + "/run", read_only=True).all_steps() == [1]
+
+
+@pytest.mark.parametrize("suffix", ["/./run", "/a/../run", "/..", "/run/.", "/run\nx", "/run\tx"])
+@pytest.mark.parametrize("scheme", ["s3", "gs"])
+def test_a_dot_segment_or_control_character_in_a_prefix_is_a_config_error(scheme, suffix):
+    """S3 clients drop ``.`` / ``..`` segments from the request path: the objects of ``s3://b/x/./run``
+    landed under ``x/run/`` (``..``: above the prefix) while its listings looked under ``x/./run/``,
+    so every save returned, and no step was ever committed."""
+    with pytest.raises(cc.ConfigError, match="segment|control characters"):
+        cc.CheckpointManager(f"{scheme}://ckpt-test/x{suffix}")
+
+
 def _retries(objstore) -> int:
     """Requests tensorstore has retried so far on this kind of store (a process-wide counter)."""
     import tensorstore as ts
