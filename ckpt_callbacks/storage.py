@@ -200,11 +200,18 @@ def open_store(directory) -> Store:
         return ObjectStore(directory)
     from .localstore import LocalStore   # (as ObjectStore: it builds on Store)
     if scheme == "file":
-        url = urllib.parse.urlparse(directory)
-        if url.netloc not in ("", "localhost"):   # (its path was taken on this machine: file://nas/x wrote /x)
+        # the path taken literally, as object-store prefixes are: a URL parser cut "?..." and "#..."
+        # off (file:///ckpt/run#2 opened /ckpt/run, another run's checkpoints)
+        rest, host = directory.lstrip()[len("file:"):], ""
+        if rest.startswith("//"):
+            host, sep, path = rest[2:].partition("/")
+            rest = sep + path
+        if host not in ("", "localhost"):   # (its path was taken on this machine: file://nas/x wrote /x)
             raise ConfigError(f"{directory!r}: a file:// URL names a file on this machine (file:///path or "
-                              f"file://localhost/path), not on host {url.netloc!r}; mount it and give its path")
-        return LocalStore(url.path)
+                              f"file://localhost/path), not on host {host!r}; mount it and give its path")
+        if not rest.strip():   # (it meant the working directory, which "" does not)
+            raise ConfigError(f"{directory!r}: a file:// URL needs a path, e.g. file:///ckpt/run1")
+        return LocalStore(rest)
     if scheme and len(scheme) > 1:
         raise ConfigError(f"{directory!r}: unsupported URL scheme {scheme!r} (use a path, file://, s3:// or gs://)")
     return LocalStore(directory)

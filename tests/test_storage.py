@@ -339,6 +339,24 @@ def test_a_dot_segment_or_control_character_in_a_prefix_is_a_config_error(scheme
         cc.CheckpointManager(f"{scheme}://ckpt-test/x{suffix}")
 
 
+def test_a_file_url_is_taken_literally_and_needs_a_path(tmp_path, monkeypatch):
+    """file:///ckpt/run#2 opened /ckpt/run (a URL parser cut the fragment off: another run's
+    checkpoints, resumed from), and file:// opened the working directory, which "" refuses."""
+    with cc.CheckpointManager(str(tmp_path / "run")) as other:
+        other.save(1, {"w": np.zeros(3)})
+    for name in ("run#2", "run?v=2"):
+        with cc.CheckpointManager(f"file://{tmp_path}/{name}") as m:
+            assert m.all_steps() == []
+            m.save(7, {"w": np.ones(3)})
+        assert cc.CheckpointManager(str(tmp_path / name), read_only=True).all_steps() == [7]
+    assert cc.CheckpointManager(str(tmp_path / "run"), read_only=True).all_steps() == [1]
+    monkeypatch.chdir(tmp_path / "run")
+    for url in ("file://", "file:", "file://localhost"):
+        with pytest.raises(cc.ConfigError, match="needs a path"):
+            cc.CheckpointManager(url)
+    assert sorted(os.listdir(tmp_path / "run")) == ["step_0000000001"]
+
+
 def _retries(objstore) -> int:
     """Requests tensorstore has retried so far on this kind of store (a process-wide counter)."""
     import tensorstore as ts
