@@ -71,13 +71,13 @@ def redact(message: str) -> str:
     out = _URL_RE.sub("<endpoint>", out)
     for name in _SENSITIVE_ENV:
         v = os.environ.get(name) or ""
-        parts = {v}
-        if "://" in v:
-            u = urllib.parse.urlparse(v)
-            parts |= {u.netloc, u.hostname or ""}
-        for part in sorted(parts, key=len, reverse=True):
-            if len(part) >= 4:
-                out = out.replace(part, "<redacted>")
+        if len(v) >= 4:
+            out = out.replace(v, "<redacted>")
+        if "://" in v:   # the endpoint's host, where it stands as a name of its own: a bucket or key
+            u = urllib.parse.urlparse(v)   # that contains it (s3://minio-ckpts with host minio) stays
+            for part in sorted({u.netloc, u.hostname or ""}, key=len, reverse=True):
+                if len(part) >= 4:
+                    out = re.sub(rf"(?<![\w./-]){re.escape(part)}(?![\w/-]|\.\w)", "<redacted>", out)
     return out
 
 

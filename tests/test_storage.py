@@ -58,6 +58,24 @@ def test_redact_removes_endpoints_specs_and_secrets(objstore_env):
                    '<endpoint> with key <redacted>')
 
 
+def test_redaction_keeps_a_prefix_or_bucket_that_contains_the_endpoint_host(objstore, monkeypatch):
+    """With a MinIO endpoint http://minio:9000, messages named s3://<redacted>-ckpts/...: the
+    endpoint's host was cut out of every word holding it, the bucket and the keys included."""
+    var = "AWS_ENDPOINT_URL_S3" if objstore.server.kind == "s3" else "TENSORSTORE_GCS_HTTP_URL"
+    monkeypatch.setenv(var, f"http://localhost:{objstore.server.port}")
+    url = objstore.url + "/localhost-run"
+    with cc.CheckpointManager(url, async_save=False) as m:
+        m.save(1, {"w": np.ones(3)})
+        with objstore.server.outage():
+            with pytest.raises(cc.CheckpointSaveError) as info:
+                m.save(2, {"w": np.ones(3)})
+    msg = str(info.value)
+    assert f"{url}/: " in msg and str(objstore.server.port) not in msg, msg
+    port = objstore.server.port
+    out = objectstore.redact(f"Could not resolve host: localhost; localhost:{port} refused; key localhost-run/x")
+    assert out == "Could not resolve host: <redacted>; <redacted> refused; key localhost-run/x"
+
+
 def test_a_write_that_timed_out_on_an_object_store_is_storage_unavailable(objstore_env, tmp_path):
     """A chunk write to a server that hangs fails in tensorstore with a ValueError naming no endpoint;
     it reached a failed save as that ValueError, where the docs promise StorageUnavailableError."""
