@@ -50,7 +50,8 @@ import msgpack
 from . import agreement, coordination, hostmem, lock, retain, resume, shutdown, snapshot
 from . import format as fmt
 from .checks import check_flag, check_metrics, check_save_options, check_step, check_timeout
-from .errors import CheckpointError, CheckpointNotFoundError, ConfigError, CorruptCheckpointError
+from .errors import (CheckpointError, CheckpointNotFoundError, ConfigError, CorruptCheckpointError,
+                     StorageUnavailableError)
 from .retention import StepInfo, as_int, as_policies, best_policy
 from .storage import open_store
 from .localwrite import Workers, WriteThrough
@@ -198,8 +199,10 @@ class CheckpointManager:
             msg = None if self.coord.process_index else msgpack.packb(
                 None if err is None else f"{type(err).__name__}: {err}")
             got = msgpack.unpackb(self.coord.broadcast("startup", msg, self.timeout_s))
-            if got is not None and err is None:
-                raise CheckpointError(f"process 0 could not open {self.store.url} for writing: {got}")
+            if got is not None and err is None:   # an outage as on process 0: a caller that retries
+                outage = got.startswith(f"{StorageUnavailableError.__name__}:")   # does so on every process
+                cls = StorageUnavailableError if outage else CheckpointError
+                raise cls(f"process 0 could not open {self.store.url} for writing: {got}")
         if err is not None:
             raise err
 

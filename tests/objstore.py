@@ -357,3 +357,18 @@ def two_process_save(url: str) -> dict:
         return {"process_index": pi, "steps": mngr.all_steps(), "bytes_written": written,
                 "restore": mw.check(mngr.restore(target=mw.abstract(m, seed=2)), seed=2),
                 "host_state": mngr.host_state()}
+
+
+def two_process_open(url: str) -> dict:
+    """Run in each of 2 `jax.distributed` processes: open a writing manager on `url`; the class
+    of the error each process raised (None if it opened)."""
+    import jax
+
+    import ckpt_callbacks as cc
+
+    try:
+        cc.CheckpointManager(url, timeout_s=60).close()
+        return {"process_index": jax.process_index(), "error": None}
+    except cc.CheckpointError as e:
+        return {"process_index": jax.process_index(), "error": type(e).__name__, "message": str(e),
+                "unavailable": isinstance(e, cc.StorageUnavailableError)}

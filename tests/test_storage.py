@@ -551,6 +551,19 @@ def test_two_process_save_to_s3_writes_one_marker(s3_server):
     assert mw.check(restored, seed=2) == []
 
 
+def test_a_missing_bucket_at_start_up_is_storage_unavailable_on_every_process(s3_server):
+    """Process 0 checks the store for all: it raised StorageUnavailableError, the other processes
+    a plain CheckpointError, so a job that retries its start on an unavailable store (and stops on
+    anything else) retried on process 0 alone, which then waited for peers that had left."""
+    from multiproc import launch
+
+    res = launch("objstore:two_process_open", 2, devices_per_process=4, timeout_s=180,
+                 args={"url": "s3://no-such-bucket-ckpt/run"})
+    assert all(r.ok for r in res), [r.describe() for r in res]
+    assert [(r.result["error"], r.result["unavailable"]) for r in res] == [("StorageUnavailableError", True)] * 2
+    assert "no-such-bucket-ckpt" in res[1].result["message"] and "process 0" in res[1].result["message"]
+
+
 def test_cli_lists_verifies_and_collects_an_object_store(objstore, capsys):
     from ckpt_callbacks import cli
 
