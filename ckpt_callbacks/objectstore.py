@@ -110,6 +110,8 @@ class ObjectStore(Store):
                               else _env_float("CKPT_CALLBACKS_IO_MAX_BACKOFF_S", 16.0))
         self.stale_after_s = (stale_after_s if stale_after_s is not None
                               else _env_float("CKPT_CALLBACKS_STALE_AFTER_S", 7200.0))
+        if self.scheme == "s3":
+            _check_s3_endpoint()
         self._kv = None
         self._mine: dict[str, str] = {}   # step name -> token of this instance's save in flight
 
@@ -329,6 +331,19 @@ class ObjectStore(Store):
 
     def check_writable(self) -> None:
         self._list(MARKERS)   # a missing bucket or unreachable endpoint fails here, clearly
+
+
+def _check_s3_endpoint() -> None:
+    """Raise `ConfigError` where the S3 endpoint variable holds no http(s) URL (``minio:9000``):
+    tensorstore refused it on every request, and each refusal read as an outage, retried by a
+    caller that retries outages for ever. The value is not shown (see `redact`)."""
+    for name in ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"):
+        v = os.environ.get(name)
+        if v:
+            if not re.match(r"https?://[^/\s]", v, re.I):
+                raise ConfigError(f"environment variable {name} must be an http:// or https:// URL (e.g. "
+                                  f"http://minio.internal:9000); its value (not shown) is not")
+            return
 
 
 def _split_url(url: str) -> tuple[str, str, str]:

@@ -425,6 +425,22 @@ def test_a_server_that_never_answers_fails_each_attempt_after_the_documented_60_
     assert time.monotonic() - t0 < 120
 
 
+@pytest.mark.parametrize("var", ["AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"])
+def test_an_s3_endpoint_without_http_scheme_is_a_config_error_not_an_outage(s3_server, monkeypatch, var):
+    """AWS_ENDPOINT_URL_S3=host:port (no scheme) failed every request as StorageUnavailableError
+    "failed after up to N retries ... check that the endpoint is reachable": a caller retrying on
+    outages retried it for ever, and nothing was retried at all."""
+    hostport = s3_server.endpoint[len("http://"):]
+    monkeypatch.delenv("AWS_ENDPOINT_URL_S3")
+    monkeypatch.setenv(var, hostport)
+    with pytest.raises(cc.ConfigError, match=f"{var} must be an http:// or https:// URL") as info:
+        cc.CheckpointManager("s3://ckpt-test/run")
+    assert hostport not in str(info.value) and not isinstance(info.value, cc.StorageUnavailableError)
+    monkeypatch.setenv(var, s3_server.endpoint)
+    with cc.CheckpointManager("s3://ckpt-test/scheme-ok", async_save=False) as m:   # the same server, with its scheme
+        m.save(1, {"w": np.ones(3)})
+
+
 def _retries(objstore) -> int:
     """Requests tensorstore has retried so far on this kind of store (a process-wide counter)."""
     import tensorstore as ts
