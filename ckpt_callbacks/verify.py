@@ -2,9 +2,14 @@
 
 Example::
 
+    import numpy as np
+    import ckpt_callbacks as cc
     from ckpt_callbacks.storage import open_store
     from ckpt_callbacks.verify import verify_step
+    with cc.CheckpointManager("/tmp/run") as mngr:
+        mngr.save(200, {"w": np.ones(3)})
     verify_step(open_store("/tmp/run"), 200)    # [] when intact, else [(key path, problem), ...]
+    # a step that is not committed (never saved, or deleted meanwhile): CheckpointNotFoundError
 
 Who calls what: `ckpt-callbacks verify` (any machine, one process) calls `verify_step` per step
 with a `Progress`. It reads through `restore.leaf_reader` (the same checks as a restore) chunk
@@ -81,18 +86,24 @@ def verify_step(store, step: int, progress=None, window: int = 16) -> list[tuple
 
     Returns ``[(key path or file, problem)]``; empty when the step is intact. Raises
     `StorageUnavailableError` when the storage cannot be read at all (nothing is known then), and
-    `CheckpointNotFoundError` when the step was deleted or replaced while it was read (a writer's
-    retention, as `restore` tells it: its files went, it was not damaged).
+    `CheckpointNotFoundError` when the step is not committed as the call begins, or was deleted or
+    replaced while it was read (a writer's retention, as `restore` tells it: its files went, it was
+    not damaged).
     """
-    token, listed = store.step_token(step), step in store.committed_steps()
+    token = store.step_token(step)
+    if step not in store.committed_steps():   # (listed by the caller: a writer's retention deleted it since)
+        raise _gone(store, step, "before it could be verified")
     damaged = _verify(store, step, progress, window)
-    if damaged and listed and changed(store, step, token):
-        e = CheckpointNotFoundError(f"step {step} in {store.url} was deleted or replaced while it was being "
-                                    f"verified (by a writer's retention, or a forced save of that step); it "
-                                    f"was not found damaged")
-        e.deleted = True
-        raise e
+    if damaged and changed(store, step, token):
+        raise _gone(store, step, "while it was being verified")
     return damaged
+
+
+def _gone(store, step: int, when: str) -> CheckpointNotFoundError:
+    e = CheckpointNotFoundError(f"step {step} in {store.url} is not committed: deleted or replaced {when} (by a "
+                                f"writer's retention, or a forced save of that step); it was not found damaged")
+    e.deleted = True
+    return e
 
 
 def _verify(store, step: int, progress, window: int) -> list[tuple[str, str]]:

@@ -224,6 +224,30 @@ def test_a_step_retention_deletes_while_verify_reads_it_is_not_reported_damaged(
     assert rc == 0 and "step 40: deleted while it was being verified" in out and "DAMAGED" not in out
 
 
+def test_steps_a_live_trainer_deletes_after_verify_all_listed_them_are_not_reported_damaged(
+        ckpt, tmp_path, monkeypatch, devices):
+    from ckpt_callbacks import verify
+    d = str(tmp_path / "run")
+    shutil.copytree(ckpt, d)
+    real, trained = verify.read_manifest, []
+
+    def trainer_saves_meanwhile(store, step):   # while verify reads step 20, the trainer saves 50
+        if not trained:
+            trained.append(1)
+            with cc.CheckpointManager(d, retention=cc.KeepSteps([20])) as m:   # its retention deletes 30, 40
+                m.save(50, make_tree(50, devices))
+        return real(store, step)
+
+    monkeypatch.setattr(verify, "read_manifest", trainer_saves_meanwhile)
+    rc, out, _ = run("verify", d, "--all", "--quiet")   # was: 30 and 40 DAMAGED ("manifest ... does not exist"), exit 1
+    assert out.splitlines() == ["step 20: ok"] + [
+        f"step {s}: deleted while it was being verified (by a writer's retention, or a forced save of it); "
+        f"not damaged" for s in (30, 40)]
+    assert rc == 0
+    with pytest.raises(cc.CheckpointNotFoundError, match="not committed"):
+        verify.verify_step(open_store(d), 30)
+
+
 def test_verify_catches_a_missing_chunk(ckpt, tmp_path):
     d = str(tmp_path / "run")
     shutil.copytree(ckpt, d)
