@@ -15,20 +15,24 @@ directory it takes the writer lock first (refused while a live trainer writes th
 step whose forced replacement was interrupted, reads every committed step's manifest, and decides
 with the same policies and `retention.decide` as a manager's retention: a step whose manifest
 cannot be read is kept, and with ``--verify`` so is a damaged step, which then does not count
-toward the policy. ``--dry-run`` changes nothing and takes no lock.
+toward the policy. ``--dry-run`` changes nothing and takes no lock, but is refused as gc would be
+while a live process holds it.
 """
 
 from __future__ import annotations
 
+import os
+import socket
 import sys
+import time
 
+from . import lock
 from .cli import leftover_records, read_manifests
 
 __all__ = ["cmd_gc"]
 
 
 def cmd_gc(args, store, out) -> int:
-    from . import lock
     from .errors import ConfigError
     from .retention import StepInfo, best_policy, decide, has_number, retention_from_config
     from .verify import problem_text
@@ -45,7 +49,9 @@ def cmd_gc(args, store, out) -> int:
         sys.stderr.write(f"ckpt-callbacks gc: {e}\n")
         return 2
     locked = False
-    if store.local and not args.dry_run:
+    if store.local and args.dry_run:
+        _refuse_if_written(store.root)   # as gc itself would be: its "would delete" list would be untrue
+    elif store.local:
         lock.acquire(store.root)   # CheckpointLockedError while a live trainer writes here
         locked = True
     try:
@@ -97,6 +103,24 @@ def cmd_gc(args, store, out) -> int:
         if locked:
             lock.release(store.root)
     return 0
+
+
+def _refuse_if_written(root: str) -> None:
+    """Raise `CheckpointLockedError` where `lock.acquire` would (a live process holds the writer lock
+    of `root`), without taking the lock: for ``--dry-run``, which changes nothing."""
+    from .errors import CheckpointLockedError
+    path = os.path.join(root, lock.LOCK_NAME)
+    owner = lock._owner(path)  # noqa: SLF001 - the lock's own reading and liveness rule
+    if not owner:   # no lock, or one without a readable owner (acquire takes such a one over)
+        return
+    host, pid = owner.get("host"), owner.get("pid")
+    if host == socket.gethostname() and isinstance(pid, int) and not lock._alive(pid):  # noqa: SLF001
+        return   # stale: its owner died; gc would take it over
+    since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(owner.get("time", 0)))
+    raise CheckpointLockedError(
+        f"{root} is being written by another process (host {host}, pid {pid}, since {since}): gc would be "
+        f"refused, so this dry run lists nothing (its steps and partial saves are that process's to change). "
+        f"Stop that process first, or delete {path} if it is gone.")
 
 
 def _damaged_kept(store, policies, infos) -> dict:

@@ -495,6 +495,25 @@ def test_console_script_refuses_gc_while_a_trainer_holds_the_directory(ckpt, tmp
         assert p.returncode == 0 and "* best" in p.stdout
 
 
+def test_gc_dry_run_is_refused_like_gc_while_a_trainer_holds_the_directory(ckpt, tmp_path):
+    d = str(tmp_path / "run")
+    shutil.copytree(ckpt, d)
+    cmd = [sys.executable, "-m", "ckpt_callbacks.cli", "gc", d, "--keep-last", "1", "--remove-partial"]
+    with cc.CheckpointManager(d, retention=cc.KeepLast(3)):
+        os.makedirs(os.path.join(d, "step_0000000050.tmp-0123456789ab"))   # as its save in flight
+        before = tree_digest(d)
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        assert p.returncode == 1 and "CheckpointLockedError" in p.stderr
+        # was: exit 0, "would delete step 20 ... would delete partial step_0000000050.tmp-..." (the save
+        # in flight), while gc itself is refused
+        p = subprocess.run(cmd + ["--dry-run"], capture_output=True, text=True, timeout=120)
+        assert p.returncode == 1 and "CheckpointLockedError" in p.stderr and str(os.getpid()) in p.stderr
+        assert "would delete" not in p.stdout
+        assert tree_digest(d) == before
+    rc, out, _ = run("gc", d, "--keep-last", "1", "--remove-partial", "--dry-run")   # once it closed
+    assert rc == 0 and "would delete step 20" in out and "would delete partial step_0000000050.tmp-" in out
+
+
 try:
     from objstore import objstore, objstore_env  # noqa: F401 - pytest fixtures (real S3/GCS servers)
 except ImportError:
