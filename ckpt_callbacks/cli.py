@@ -206,9 +206,19 @@ def cmd_ls(args, store, out) -> int:
                       f"interrupted save that wrote it is left: dropped, not the step, when a manager starts or "
                       f"by `gc --remove-partial`)\n")
             continue
-        out.write(f"{'':>10}  partial    {p['name']}  (staging of a save that is running or was interrupted; "
-                  f"removed when a manager starts, or by `gc --remove-partial`)\n")
+        what = ("a step deleted by retention: its files are being removed, kept by a running trainer for its "
+                "next save to write over, or left by an interrupted removal; never restored"
+                if _hidden_kind(p["name"]) == "del" else "staging of a save that is running or was interrupted")
+        out.write(f"{'':>10}  partial    {p['name']}  ({what}; removed when a manager starts, or by "
+                  f"`gc --remove-partial`)\n")
     return 0
+
+
+def _hidden_kind(name: str) -> str | None:
+    """"tmp" (staging), "del" (a deleted step) or "old" of a local leftover name; None otherwise."""
+    from . import format as fmt
+    m = fmt.STAGING_RE.match(name)
+    return m.group(2) if m else None
 
 
 def leftover_records(store, steps) -> list[dict]:

@@ -119,6 +119,18 @@ def test_ls_shows_partial_leftover(ckpt, tmp_path):
     assert open_store(d).committed_steps() == [20, 30, 40]
 
 
+def test_ls_tells_a_deleted_step_left_over_from_a_save_in_flight(ckpt, tmp_path):
+    d = str(tmp_path / "run")
+    shutil.copytree(ckpt, d)
+    # what retention's delete leaves while its removal runs, is interrupted, or its files are kept
+    # for the trainer's next save to write over: the step directory renamed to `.del-`
+    os.rename(os.path.join(d, "step_0000000020"), os.path.join(d, "step_0000000020.del-0123456789ab"))
+    rc, out, _ = run("ls", d)
+    line = next(x for x in out.splitlines() if "step_0000000020.del-0123456789ab" in x)
+    # was: "(staging of a save that is running or was interrupted; ...)", of a step retention deleted
+    assert rc == 0 and "a step deleted by retention" in line and "staging" not in line
+
+
 def test_inspect_shows_paths_shapes_dtypes_shardings_bytes(ckpt):
     rc, out, _ = run("inspect", ckpt, "--step", "30")
     assert rc == 0
