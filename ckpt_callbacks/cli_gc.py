@@ -87,6 +87,7 @@ def cmd_gc(args, store, out) -> int:
         for s, problems in sorted(damaged.items()):
             out.write(f"  step {s}: damaged ({problem_text(*problems[0])}), kept but "
                       f"not counted by the policy (`ckpt-callbacks verify --step {s}` lists it all)\n")
+        before = set(store.leftovers()) if locked else set()
         for s in delete:
             out.write(f"  {verb} step {s}\n")
             if not args.dry_run:
@@ -99,6 +100,17 @@ def cmd_gc(args, store, out) -> int:
                 store.remove(p["name"])
         if not delete and not partial:
             out.write("  nothing to delete\n")
+        # (local: a remove that fails part-way leaves what it cannot remove, quietly)
+        removed = {p["name"] for p in partial}
+        stuck = [n for n in store.leftovers() if n not in before or n in removed] if locked else []
+        for n in stuck:
+            out.write(f"  could not remove all of {n}: some of its files or directories cannot be removed by this "
+                      f"process (check their permissions and owner); never restored, removed by "
+                      f"`gc --remove-partial` once they can be\n")
+        if stuck:
+            sys.stderr.write(f"ckpt-callbacks gc: {len(stuck)} director(y/ies) could not be removed completely: "
+                             f"{', '.join(stuck)} in {store.url} (the space they hold is not freed)\n")
+            return 1
     finally:
         if locked:
             lock.release(store.root)

@@ -526,6 +526,40 @@ def test_gc_dry_run_is_refused_like_gc_while_a_trainer_holds_the_directory(ckpt,
     assert rc == 0 and "would delete step 20" in out and "would delete partial step_0000000050.tmp-" in out
 
 
+def _unprivileged(cmd):
+    """`cmd` run so that file permissions apply to it (as root: without CAP_DAC_OVERRIDE)."""
+    if os.geteuid() != 0:
+        return cmd
+    if not shutil.which("setpriv"):
+        pytest.skip("running as root without setpriv: permissions cannot be made to apply")
+    caps = "-dac_override,-dac_read_search"
+    return ["setpriv", f"--inh-caps={caps}", f"--bounding-set={caps}", *cmd]
+
+
+def test_gc_that_cannot_remove_a_step_completely_says_so_and_fails(ckpt, tmp_path):
+    d = str(tmp_path / "run")
+    shutil.copytree(ckpt, d)
+    step = os.path.join(d, "step_0000000020")
+    stuck = os.path.dirname(_chunk_files(step)[0])
+    os.chmod(stuck, 0o555)   # a careless user's chmod: its chunk files cannot be unlinked
+    try:
+        p = subprocess.run(_unprivileged([sys.executable, "-m", "ckpt_callbacks.cli", "gc", d, "--keep-last", "2"]),
+                           capture_output=True, text=True, timeout=120)
+        left = [n for n in os.listdir(d) if n.startswith("step_0000000020.del-")]
+        assert open_store(d).committed_steps() == [30, 40] and len(left) == 1   # hidden, not all removed
+        # was: exit 0 and "deleting step 20" only, the step's bytes still on disk
+        assert p.returncode == 1, p.stdout + p.stderr
+        assert f"could not remove all of {left[0]}" in p.stdout and left[0] in p.stderr
+        os.chmod(os.path.join(d, left[0], os.path.relpath(stuck, step)), 0o755)
+        p = subprocess.run(_unprivileged([sys.executable, "-m", "ckpt_callbacks.cli", "gc", d, "--keep-last", "2",
+                                          "--remove-partial"]), capture_output=True, text=True, timeout=120)
+        assert p.returncode == 0 and f"deleting partial {left[0]}" in p.stdout and not os.path.exists(os.path.join(d, left[0]))
+    finally:
+        for root, dirs, _ in os.walk(d):
+            for x in dirs:
+                os.chmod(os.path.join(root, x), 0o755)
+
+
 try:
     from objstore import objstore, objstore_env  # noqa: F401 - pytest fixtures (real S3/GCS servers)
 except ImportError:
