@@ -466,6 +466,9 @@ def _main(argv, out) -> int:
     try:
         store = open_store(args.directory)
         if store.local and not os.path.isdir(store.root):   # a typo in the path is not "0 committed"
+            if os.path.exists(store.root):   # e.g. a step's manifest given for its directory
+                raise CheckpointNotFoundError(f"{store.url} is a file, not a checkpoint directory (give the "
+                                              f"directory that holds the step_N directories)")
             raise CheckpointNotFoundError(f"{store.url}: no such directory")
         if args.cmd == "gc":
             from .cli_gc import cmd_gc

@@ -608,3 +608,11 @@ def test_a_directory_that_does_not_exist_is_an_error_not_an_empty_run(tmp_path, 
     rc, out, err = run(*argv[:1], missing, *argv[1:])
     assert rc == 1 and "no such directory" in err and "no-such-run" in err, (rc, out, err)
     assert not os.path.exists(missing)
+
+
+@pytest.mark.parametrize("argv", [["ls"], ["inspect"], ["verify"], ["timeline"], ["gc", "--keep-last", "1"]])
+def test_a_file_given_for_the_directory_is_named_a_file(ckpt, argv):
+    manifest = os.path.join(ckpt, "step_0000000040", "manifest.msgpack")
+    rc, out, err = run(*argv[:1], manifest, *argv[1:])
+    # was: ".../manifest.msgpack: no such directory", of a file that exists
+    assert rc == 1 and "is a file, not a checkpoint directory" in err and "no such" not in err, (rc, out, err)
