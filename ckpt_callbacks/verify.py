@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
+import stat
 import time
 
 import numpy as np
@@ -148,7 +150,10 @@ def _verify(store, step: int, progress, window: int) -> list[tuple[str, str]]:
         except StorageUnavailableError:
             raise
         except CheckpointError as e:
-            damaged.append((where, str(e)))
+            bad = ""
+            if rec["k"] == "array" and store.local:   # which files, where the array was refused as a whole
+                bad = _bad_chunk_files(store.path(f"{reader.base}/{rec['z']}"), rec)
+            damaged.append((where, str(e) + bad))
     for p in sorted((m.get("host") or {})):
         try:
             read_host_state(store, step, m, p)
@@ -157,6 +162,31 @@ def _verify(store, step: int, progress, window: int) -> list[tuple[str, str]]:
         except CheckpointError as e:
             damaged.append((f"host state of process {p}", str(e)))
     return damaged
+
+
+def _bad_chunk_files(root: str, rec: dict, most: int = 8) -> str:
+    """The chunk files of array leaf `rec` (local directory `root`) that are missing or not of a
+    chunk's size (its bytes and 4 of CRC), as text to add to a problem ("" when all are there):
+    the restore's checks refuse such an array as a whole, before reading any chunk."""
+    size = math.prod(rec["ch"]) * np.dtype(fmt.storage_dtype(rec["dt"])).itemsize + 4
+    bad = []
+    for idx, _ in _chunks(rec["sh"], rec["ch"]):
+        key = fmt.chunk_key(idx)
+        try:
+            st = os.stat(os.path.join(root, key))
+        except FileNotFoundError:
+            bad.append(f"{key} missing")
+            continue
+        except OSError:   # (e.g. a path through a file: the array's open said so already)
+            continue
+        if not stat.S_ISREG(st.st_mode):
+            bad.append(f"{key} not a file")
+        elif st.st_size != size:
+            bad.append(f"{key} {st.st_size} of {size} bytes")
+    if not bad:
+        return ""
+    more = f", and {len(bad) - most} more" if len(bad) > most else ""
+    return f"; chunk files in {root}: {', '.join(bad[:most])}{more}"
 
 
 def _drain(item, rec, where, itemsize, progress, redact):

@@ -268,6 +268,21 @@ def test_verify_catches_a_missing_chunk(ckpt, tmp_path):
     assert rc == 1 and "step 40: DAMAGED" in out and "['params']['w']" in out
 
 
+def test_verify_names_the_missing_and_truncated_chunk_files(ckpt, tmp_path):
+    d = str(tmp_path / "run")
+    shutil.copytree(ckpt, d)
+    step = os.path.join(d, "step_0000000040")
+    files = _chunk_files(step)
+    os.remove(files[1])
+    size = os.path.getsize(files[5])
+    os.truncate(files[5], 100)   # a full disk
+    rc, out, _ = run("verify", d, "--quiet")
+    rel = [os.path.relpath(f, os.path.dirname(os.path.dirname(os.path.dirname(files[0])))) for f in (files[1], files[5])]
+    # was: "... declares [512, 1024] (8 chunks, ...) but holds 7 chunk files (...)", naming no file
+    assert rc == 1 and "step 40: DAMAGED" in out and "['params']['w']" in out
+    assert f"{rel[0]} missing" in out and f"{rel[1]} 100 of {size} bytes" in out, out
+
+
 def test_json_output_is_strict_json_with_nan_and_infinite_metrics(tmp_path):
     d = str(tmp_path / "run")
     with cc.CheckpointManager(d, async_save=False) as m:
