@@ -206,9 +206,12 @@ def cmd_ls(args, store, out) -> int:
                       f"interrupted save that wrote it is left: dropped, not the step, when a manager starts or "
                       f"by `gc --remove-partial`)\n")
             continue
+        kind = _hidden_kind(p["name"])
         what = ("a step deleted by retention: its files are being removed, kept by a running trainer for its "
-                "next save to write over, or left by an interrupted removal; never restored"
-                if _hidden_kind(p["name"]) == "del" else "staging of a save that is running or was interrupted")
+                "next save to write over, or left by an interrupted removal; never restored" if kind == "del" else
+                f"the previous copy of step {p['name'][5:15].lstrip('0') or '0'}, which a forced save replaced "
+                f"(save(force=True)); never restored" if kind == "old" else
+                "staging of a save that is running or was interrupted")
         out.write(f"{'':>10}  partial    {p['name']}  ({what}; removed when a manager starts, or by "
                   f"`gc --remove-partial`)\n")
     return 0

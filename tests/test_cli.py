@@ -129,6 +129,11 @@ def test_ls_tells_a_deleted_step_left_over_from_a_save_in_flight(ckpt, tmp_path)
     line = next(x for x in out.splitlines() if "step_0000000020.del-0123456789ab" in x)
     # was: "(staging of a save that is running or was interrupted; ...)", of a step retention deleted
     assert rc == 0 and "a step deleted by retention" in line and "staging" not in line
+    # the copy a forced replacement moved aside and did not get to remove (step 40 itself is there)
+    shutil.copytree(os.path.join(d, "step_0000000040"), os.path.join(d, "step_0000000040.old-0123456789ab"))
+    rc, out, _ = run("ls", d)
+    line = next(x for x in out.splitlines() if "step_0000000040.old-0123456789ab" in x)
+    assert rc == 0 and "the previous copy of step 40, which a forced save replaced" in line and "staging" not in line
 
 
 def test_inspect_shows_paths_shapes_dtypes_shardings_bytes(ckpt):
