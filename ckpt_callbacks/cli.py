@@ -209,7 +209,7 @@ def cmd_ls(args, store, out) -> int:
         kind = _hidden_kind(p["name"])
         what = ("a step deleted by retention: its files are being removed, kept by a running trainer for its "
                 "next save to write over, or left by an interrupted removal; never restored" if kind == "del" else
-                f"the previous copy of step {p['name'][5:15].lstrip('0') or '0'}, which a forced save replaced "
+                f"the previous copy of step {p['step']}, which a forced save replaced "
                 f"(save(force=True)); never restored" if kind == "old" else
                 "staging of a save that is running or was interrupted")
         out.write(f"{'':>10}  partial    {p['name']}  ({what}; removed when a manager starts, or by "
@@ -225,7 +225,8 @@ def _hidden_kind(name: str) -> str | None:
 
 
 def leftover_records(store, steps) -> list[dict]:
-    """`store.leftovers()` as `ls` lists them: "partial" (an unfinished save's data), "recoverable"
+    """`store.leftovers()` as `ls` lists them, each ``{"name", "status", "step"}``: "partial" (an
+    unfinished save's data, or a deleted or superseded copy of a step), "recoverable"
     (a step left only as the copy its interrupted forced replacement moved aside), or "stale
     record" (object stores: a committed step whose save died before dropping its ``pending/``
     record; `remove` drops only the record)."""
@@ -237,8 +238,10 @@ def leftover_records(store, steps) -> list[dict]:
             out.append({"name": n, "status": "recoverable", "step": back[n]})
         elif (step := fmt.parse_step_name(n)) in committed:
             out.append({"name": n, "status": "stale record", "step": step})
-        else:
-            out.append({"name": n, "status": "partial"})
+        else:   # the step it was a save or a deletion of
+            hidden = fmt.STAGING_RE.match(n)
+            out.append({"name": n, "status": "partial",
+                        "step": int(hidden.group(1)) if hidden else fmt.parse_step_name(n)})
     return out
 
 

@@ -117,6 +117,9 @@ def test_ls_shows_partial_leftover(ckpt, tmp_path):
     rc, out, _ = run("ls", d)
     assert rc == 0 and "1 partial" in out and "step_0000000050.tmp-0123456789ab" in out
     assert open_store(d).committed_steps() == [20, 30, 40]
+    rc, out, _ = run("ls", d, "--json")   # the same keys as a recoverable or stale entry (was: no "step")
+    assert rc == 0 and json.loads(out)["partial"] == [
+        {"name": "step_0000000050.tmp-0123456789ab", "status": "partial", "step": 50}]
 
 
 def test_ls_tells_a_deleted_step_left_over_from_a_save_in_flight(ckpt, tmp_path):
