@@ -72,6 +72,12 @@ def cmd_gc(args, store, out) -> int:
                              f"would keep no best step; nothing deleted. Fix: check the metric's name, or "
                              f"leave out --keep-best\n")
             return 2
+        absent = sorted(set(args.keep_steps or ()) - set(steps))
+        if absent:   # a typo (5000 for 500) would delete the step meant
+            sys.stderr.write(f"ckpt-callbacks gc: --keep-steps {','.join(map(str, absent))}: not committed in "
+                             f"{store.url} (committed: {_steps_text(steps)}), so it keeps nothing; nothing "
+                             f"deleted. Fix: check the steps (`ckpt-callbacks ls`), or leave them out\n")
+            return 2
         damaged = _damaged_kept(store, policies, infos) if args.verify else {}
         keep = decide(policies, [i for i in infos if i.step not in damaged]) | set(unreadable) | set(damaged)
         delete = [s for s in steps if s not in keep]
@@ -115,6 +121,12 @@ def cmd_gc(args, store, out) -> int:
         if locked:
             lock.release(store.root)
     return 0
+
+
+def _steps_text(steps: list, most: int = 12) -> str:
+    if len(steps) <= most:
+        return ", ".join(map(str, steps)) or "none"
+    return f"{', '.join(map(str, steps[:most // 2]))}, ..., {', '.join(map(str, steps[-most // 2:]))}"
 
 
 def _refuse_if_written(root: str) -> None:

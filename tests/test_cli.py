@@ -353,6 +353,17 @@ def test_gc_dry_run_changes_nothing_then_gc_deletes_exactly(ckpt, tmp_path):
     assert open_store(d).committed_steps() == [20, 40]
 
 
+@pytest.mark.parametrize("dry", [[], ["--dry-run"]])
+def test_gc_refuses_keep_steps_that_are_not_committed(ckpt, tmp_path, dry):
+    d = str(tmp_path / "run")
+    shutil.copytree(ckpt, d)
+    before = tree_digest(d)
+    # a typo: 300 for 30; was: exit 0, "deleting step 30" (and 20), the step meant to be kept
+    rc, out, err = run("gc", d, "--keep-steps", "300,20", "--keep-last", "1", *dry)
+    assert rc == 2 and "--keep-steps 300: not committed" in err and "20, 30, 40" in err, (rc, out, err)
+    assert "delet" not in out and tree_digest(d) == before
+
+
 @pytest.mark.usefixtures("zarr_above_1mib")
 def test_gc_verify_keeps_an_intact_step_in_place_of_a_damaged_one(ckpt, tmp_path):
     d = str(tmp_path / "run")
