@@ -463,6 +463,19 @@ def main(argv=None) -> int:
             os.environ["JAX_PLATFORMS"] = saved
 
 
+def _inside_a_step(root: str) -> str | None:
+    """The step (or leftover) directory that local directory `root` is or lies in, if any: such a
+    directory holds no steps, and `gc` would put its lock there."""
+    from . import format as fmt
+    path = os.path.realpath(root)
+    while os.path.dirname(path) != path:
+        name = os.path.basename(path)
+        if fmt.STEP_RE.match(name) or fmt.STAGING_RE.match(name):
+            return path
+        path = os.path.dirname(path)
+    return None
+
+
 def _main(argv, out) -> int:
     if argv and argv[0] == "bench":
         return cmd_bench(argv[1:], out)
@@ -476,6 +489,11 @@ def _main(argv, out) -> int:
                 raise CheckpointNotFoundError(f"{store.url} is a file, not a checkpoint directory (give the "
                                               f"directory that holds the step_N directories)")
             raise CheckpointNotFoundError(f"{store.url}: no such directory")
+        step_dir = store.local and not store.committed_steps() and _inside_a_step(store.root)
+        if step_dir:   # `ls run/step_0000000040`: not an empty run
+            raise CheckpointNotFoundError(
+                f"{store.url} is a step's directory (or inside one), not a checkpoint directory: give the "
+                f"directory that holds the step_N directories, {os.path.dirname(step_dir)}")
         if args.cmd == "gc":
             from .cli_gc import cmd_gc
             return cmd_gc(args, store, out)

@@ -644,6 +644,18 @@ def test_a_directory_that_does_not_exist_is_an_error_not_an_empty_run(tmp_path, 
     assert not os.path.exists(missing)
 
 
+@pytest.mark.parametrize("argv", [["ls"], ["inspect"], ["verify"], ["timeline", "-o", "-"], ["gc", "--keep-last", "1"]])
+def test_a_step_directory_given_for_the_run_is_refused_and_its_run_named(ckpt, tmp_path, argv):
+    d = str(tmp_path / "run")
+    shutil.copytree(ckpt, d)
+    before = tree_digest(d)
+    for inside in ("step_0000000040", os.path.join("step_0000000040", "blobs")):
+        rc, out, err = run(*argv[:1], os.path.join(d, inside), *argv[1:])
+        # was: ls "0 committed, 0 partial" and gc "nothing to delete" (exit 0, its lock file made inside the step)
+        assert rc == 1 and "is a step's directory (or inside one)" in err and err.rstrip().endswith(d), (rc, out, err)
+    assert tree_digest(d) == before
+
+
 @pytest.mark.parametrize("argv", [["ls"], ["inspect"], ["verify"], ["timeline"], ["gc", "--keep-last", "1"]])
 def test_a_file_given_for_the_directory_is_named_a_file(ckpt, argv):
     manifest = os.path.join(ckpt, "step_0000000040", "manifest.msgpack")
