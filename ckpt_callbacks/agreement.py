@@ -112,12 +112,13 @@ def warn_below(mngr, step: int) -> None:
     number, so `KeepLast` deletes such a step right after it commits, and a later restore
     reads the old run's latest; a step that run committed is not saved again (the Flax hook
     skips it without a word). Said, not refused: the save goes on. Not said where this manager
-    committed the latest step itself (the run is this one; e.g. a final save of an earlier step).
-    The steps are listed only until then: this manager is the directory's only writer (its
-    lock), so no newer step can appear but its own, and a save need not list thousands of steps."""
+    committed the latest step itself (the run is this one; e.g. a final save of an earlier step),
+    nor below damaged steps that a fallback restore went past (the run resumed below them). The
+    steps are listed only until this manager has committed the latest: it is the directory's only
+    writer (its lock), so no newer step can appear but its own, and a save need not list thousands."""
     if mngr._warned_below or mngr._top_saved >= mngr._listed_top:
         return
-    steps = mngr.all_steps()
+    steps = [s for s in mngr.all_steps() if s not in mngr._fell_past]
     mngr._listed_top = steps[-1] if steps else -1
     if not steps or step >= steps[-1] or mngr._top_saved >= steps[-1]:
         return

@@ -159,6 +159,7 @@ class CheckpointManager:
         self._infos: dict[int, StepInfo] = {}
         self._info_tokens: dict = {}   # step -> its `retain.local_token` when its info was read
         self._damaged: dict[int, str] = {}   # committed steps whose manifest could not be read: why
+        self._fell_past: set[int] = set()   # damaged steps a fallback restore went past (`retain.step_infos`)
         self.restored_step: int | None = None   # the step the last restore() read
         self._warned_below = False   # `agreement.warn_below` said it once
         self._top_saved = -1   # the highest step this manager committed (`agreement.warn_below`)
@@ -301,6 +302,7 @@ class CheckpointManager:
                 self._infos[step] = StepInfo(step, save_time, metrics)
                 self._info_tokens[step] = retain.local_token(self, step)
                 self._damaged.pop(step, None)   # a forced save replaced a damaged step
+                self._fell_past.discard(step)
                 self._top_saved = max(self._top_saved, step)
                 stats = retain.apply(self, stats, token)
                 self.history.append(stats)

@@ -133,6 +133,7 @@ def read(mngr, step, target, fallback: bool, coord=None, partial: bool = False):
                 raise error
         if error is None:
             mngr.restored_step = s
+            mngr._fell_past.update(candidates[:i])   # damaged: retention neither counts nor deletes them
             return tree
         nxt = candidates[i + 1] if i + 1 < len(candidates) else None
         log.warning("ckpt_callbacks: step %d in %s is damaged (%s); %s", s, mngr.store.url, error,

@@ -84,8 +84,11 @@ def local_token(mngr, step: int):
 
 def step_infos(mngr) -> list[StepInfo]:
     """Each committed step's time and metrics, read once from its manifest; read again where a
-    local step was replaced since (a forced save through another manager or process)."""
-    steps = mngr.store.committed_steps()
+    local step was replaced since (a forced save through another manager or process). Not the
+    damaged steps a fallback restore went past: like a damaged manifest's, they are never ranked
+    nor deleted, and a `KeepLast` does not count them (it would delete the intact steps the
+    resumed run saves below them, the step it resumed from first)."""
+    steps = [s for s in mngr.store.committed_steps() if s not in mngr._fell_past]
     for s in steps:
         step_info(mngr, s)
     infos = [mngr._infos.get(s) for s in steps]   # background retention may drop a step meanwhile

@@ -679,6 +679,37 @@ def test_restore_or_init_falls_back_past_a_damaged_latest_step_when_asked(ckdir)
     assert_tree_equal(m.restore(2), _tree(2))
 
 
+def test_a_preemption_after_a_fallback_keeps_the_step_it_saved_below_the_damaged_one(ckdir, caplog):
+    """Step 6 damaged, the run resumes from 4 (fallback; now with KeepLast(1)) and is preempted at
+    5: step 5 is saved and kept, and the rerun resumes from it. Retention counted the damaged step 6 as the
+    last one: it deleted 4 and 5 as soon as 5 committed, leaving no intact step to resume from, and
+    the manager warned 'restore() first' to a run that had restored."""
+    with CheckpointHook(ckdir, every_steps=2, retention=cc.KeepLast(2), preemption_signals=()) as hook:
+        for step in range(1, 7):
+            hook(step, _tree(step))
+    blob = os.path.join(ckdir, "step_0000000006", "blobs", "p0-0.msgpack")
+    data = bytearray(open(blob, "rb").read())
+    data[-3] ^= 0xFF
+    open(blob, "wb").write(bytes(data))
+    with caplog.at_level("WARNING", "ckpt_callbacks"):
+        with CheckpointHook(ckdir, every_steps=2, retention=cc.KeepLast(1)) as hook:
+            _, start = hook.restore_or_init(_tree(0), fallback=True)
+            assert start == 4
+            os.kill(os.getpid(), signal.SIGTERM)
+            assert hook(5, _tree(5)) is True and hook.should_stop
+            hook.wait_until_finished()
+            assert hook.manager.all_steps() == [5, 6]   # 6: damaged, kept until saved anew
+    assert not [r for r in caplog.records if "below the latest" in r.getMessage()]
+    with CheckpointHook(ckdir, every_steps=2, retention=cc.KeepLast(1), preemption_signals=()) as hook:
+        state, start = hook.restore_or_init(_tree(0), fallback=True)
+        assert start == 5
+        assert_tree_equal(state, _tree(5))
+        hook(6, _tree(6))   # saved anew over the damaged one; retention then keeps it alone
+    with cc.CheckpointManager(ckdir, read_only=True) as m:
+        assert m.all_steps() == [6]
+        assert_tree_equal(m.restore(6), _tree(6))
+
+
 def test_a_rerun_that_does_not_restore_is_told_that_it_saves_below_the_earlier_run(ckdir, caplog):
     """A second run in the same directory without `restore_or_init`: its schedule reaches steps the
     first run committed, which the hook skips without a word, and saves steps below the first

@@ -628,6 +628,27 @@ def test_force_and_fallback_must_be_bools_not_truthy_strings(ckdir):
         assert_tree_equal(m.restore(1), tree(1))
 
 
+def test_keep_last_after_a_fallback_counts_no_damaged_step_it_went_past(ckdir):
+    """Restored from 4 past a damaged 6, a save of 5 under KeepLast(1) keeps 5 (and 6, damaged,
+    until saved anew): counting 6 as the last step deleted 4 and 5 at once, leaving no intact step."""
+    with cc.CheckpointManager(ckdir) as m:
+        for step in (2, 4, 6):
+            m.save(step, tree(step))
+    blob = os.path.join(ckdir, "step_0000000006", "blobs", "p0-0.msgpack")
+    data = bytearray(open(blob, "rb").read())
+    data[-3] ^= 0xFF
+    open(blob, "wb").write(bytes(data))
+    with cc.CheckpointManager(ckdir, retention=cc.KeepLast(1)) as m:
+        assert_tree_equal(m.restore(fallback=True), tree(4))
+        m.save(5, tree(5))
+        m.wait_until_finished()
+        assert m.all_steps() == [5, 6]
+        m.save(6, tree(6), force=True)   # saved anew: counted again
+        m.wait_until_finished()
+        assert m.all_steps() == [6]
+        assert_tree_equal(m.restore(6), tree(6))
+
+
 def test_host_state_of_a_process_index_that_saved_none_is_an_error_not_none(ckdir):
     # None means "no host state was saved": a wrong index or remap must not look like it
     with cc.CheckpointManager(ckdir) as m:
