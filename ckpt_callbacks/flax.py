@@ -186,6 +186,24 @@ def _positive_or_none(name, v, kind=int):
     return int(n) if kind is int else n
 
 
+def _checked_signals(signals) -> tuple:
+    """`signals` as a tuple of signals that a handler can catch (not SIGKILL, SIGSTOP or a number
+    that names no signal): checked before anything is installed or opened."""
+    try:
+        if isinstance(signals, (str, bytes, int)):
+            raise TypeError
+        out = tuple(signals)
+    except TypeError:
+        raise ConfigError(f"preemption_signals must be a collection of signals (e.g. (signal.SIGTERM,), or () "
+                          f"for none), got {signals!r}") from None
+    uncatchable = {getattr(signal, n) for n in ("SIGKILL", "SIGSTOP") if hasattr(signal, n)}
+    for s in out:
+        if isinstance(s, bool) or not isinstance(s, int) or s not in signal.valid_signals() or s in uncatchable:
+            raise ConfigError(f"preemption_signals: {s!r} is not a signal a handler can catch (give signal.SIGTERM, "
+                              f"signal.SIGUSR1, ...; SIGKILL and SIGSTOP cannot be caught)")
+    return out
+
+
 class CheckpointHook:
     """Saves a training loop's state on a schedule; resumes it.
 
@@ -209,6 +227,7 @@ class CheckpointHook:
       save_on_eval: save every step that comes with eval metrics (default True).
       on_preemption: ``"flag"`` (set `should_stop`) or ``"raise"`` (raise `Preempted`).
       preemption_signals: signals that mean "preempted" (default SIGTERM); ``()`` watches none.
+        A collection of signals a handler can catch (not SIGKILL or SIGSTOP), else `ConfigError`.
       async_save: passed to the manager the hook creates.
       timeout_s: passed to the manager the hook creates (None: its default, 600 s): with several
         processes, how long a hook call, save or restore waits for the others; a process that
@@ -253,6 +272,7 @@ class CheckpointHook:
         self.on_preemption = on_preemption
         self.save_on_eval = bool(save_on_eval)
         self.data_iterator = _checked_iterator(data_iterator)
+        preemption_signals = _checked_signals(preemption_signals)
         self.clock = clock
         if timeout_s is not None:
             check_timeout(timeout_s)

@@ -60,8 +60,14 @@ class PreemptionWatcher:
             log.warning("ckpt_callbacks: not on the main thread: no handler installed for %s; "
                         "preemption saves are off", [signal.Signals(s).name for s in self.signals])
             return
-        for s in self.signals:
-            self._previous[s] = signal.signal(s, self._handle)
+        try:
+            for s in self.signals:
+                self._previous[s] = signal.signal(s, self._handle)
+        except BaseException:   # (a signal that cannot be caught): none left installed
+            for s, h in self._previous.items():
+                signal.signal(s, h if h is not None else signal.SIG_DFL)
+            self._previous = {}
+            raise
         _live.append(self)
 
     def _handle(self, signum, frame):  # runs on the main thread, between bytecodes

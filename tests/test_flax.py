@@ -339,6 +339,26 @@ def test_sigterm_in_process_saves_off_schedule_and_restores_handler(ckdir):
     assert_tree_equal(cc.CheckpointManager(ckdir, read_only=True).restore(2), _tree(2))
 
 
+@pytest.mark.parametrize("signals", [signal.SIGTERM, "SIGTERM", (signal.SIGUSR1, signal.SIGKILL), (99999,),
+                                     ("SIGTERM",), (True,)])
+def test_preemption_signals_that_cannot_be_watched_are_refused_before_anything_is_installed(ckdir, signals):
+    """They raised TypeError / ValueError / OSError, after the hook had opened (and locked) its
+    directory, and (SIGUSR1, SIGKILL) left SIGUSR1 handled by a watcher nobody held: the process no
+    longer died on SIGUSR1. Now a ConfigError naming the argument, nothing installed nor opened."""
+    from ckpt_callbacks.preemption import PreemptionWatcher
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)}
+    with pytest.raises(cc.ConfigError, match="preemption_signals"):
+        CheckpointHook(ckdir, preemption_signals=signals)
+    assert not os.path.exists(ckdir)
+    with pytest.raises(OSError):   # the watcher alone: what it installed before failing is put back
+        PreemptionWatcher((signal.SIGUSR1, signal.SIGKILL))
+    assert {s: signal.getsignal(s) for s in before} == before
+    with CheckpointHook(ckdir, preemption_signals=[signal.SIGUSR1], every_steps=10) as hook:
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert hook(1, _tree(1)) is True and hook.should_stop
+    assert signal.getsignal(signal.SIGUSR1) == before[signal.SIGUSR1]
+
+
 def test_two_hooks_at_once_both_save_on_sigterm_and_closing_them_in_any_order_puts_the_handler_back(ckdir):
     """The newer hook's handler replaced the older one's: only it saved the preemption step (the
     other lost it), and closing the older first left a closed hook's handler swallowing SIGTERM."""
