@@ -217,7 +217,8 @@ class CheckpointHook:
 
     Args:
       directory_or_manager: a directory / ``s3://`` / ``gs://`` URL (the hook then owns a
-        `CheckpointManager` and closes it), or an existing manager (not closed by the hook).
+        `CheckpointManager` and closes it), or an existing open, writing manager (not closed by
+        the hook; a read-only or closed one is a `ConfigError`).
       every_steps, every_secs, on_steps: CLU-style schedule; any that fires saves the step
         (`on_steps`: a collection of steps; a ``range`` is kept as is, however long).
       retention: policy / list / config dict for the manager the hook creates (see
@@ -280,6 +281,10 @@ class CheckpointHook:
             if retention is not None or async_save is not True or timeout_s is not None:
                 raise ConfigError("retention=, async_save= and timeout_s= are for the manager the hook creates; you "
                                   "passed a CheckpointManager: give them to it instead")
+            if directory_or_manager.read_only or directory_or_manager._closed:   # else: refused at the first save
+                raise ConfigError(f"the CheckpointManager of {directory_or_manager.store.url} is "
+                                  f"{'read-only' if directory_or_manager.read_only else 'closed'}: the hook saves "
+                                  f"through it. Fix: pass an open manager without read_only=True, or the directory")
             self.manager, self._owns_manager = directory_or_manager, False
         else:
             self.manager = CheckpointManager(directory_or_manager, retention=retention, async_save=async_save,

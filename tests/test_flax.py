@@ -339,6 +339,20 @@ def test_sigterm_in_process_saves_off_schedule_and_restores_handler(ckdir):
     assert_tree_equal(cc.CheckpointManager(ckdir, read_only=True).restore(2), _tree(2))
 
 
+def test_a_read_only_or_closed_manager_is_refused_when_the_hook_is_built_not_at_its_first_save(ckdir):
+    """The hook took it and trained on: the first scheduled save (after every_steps steps) raised
+    'save on a closed or read-only CheckpointManager'."""
+    with cc.CheckpointManager(ckdir) as m:
+        m.save(1, _tree(1))
+    for m in (cc.CheckpointManager(ckdir, read_only=True), m):
+        with pytest.raises(cc.ConfigError, match="read-only|closed"):
+            CheckpointHook(m, every_steps=1000, preemption_signals=())
+    with cc.CheckpointManager(ckdir) as m, CheckpointHook(m, every_steps=2, preemption_signals=()) as hook:
+        assert hook.restore_or_init(_tree(0))[1] == 1
+        assert hook(2, _tree(2)) is True
+    assert cc.CheckpointManager(ckdir, read_only=True).all_steps() == [1, 2]
+
+
 @pytest.mark.parametrize("signals", [signal.SIGTERM, "SIGTERM", (signal.SIGUSR1, signal.SIGKILL), (99999,),
                                      ("SIGTERM",), (True,)])
 def test_preemption_signals_that_cannot_be_watched_are_refused_before_anything_is_installed(ckdir, signals):
