@@ -77,7 +77,7 @@ import msgpack
 import numpy as np
 
 from . import resume
-from .checks import check_step, check_timeout
+from .checks import check_metrics, check_step, check_timeout
 from .errors import (CheckpointError, CheckpointNotFoundError, CheckpointSaveError, ConfigError,
                      IncompatibleCheckpointError)
 from .manager import CheckpointManager
@@ -379,12 +379,17 @@ class CheckpointHook:
 
             hook.report_eval(step + 1, {"val_loss": 0.5})   # before hook(step + 1, ...)
 
-        Must come before ``hook(step, state)`` for that step: after it, raises `ConfigError`.
+        Must come before ``hook(step, state)`` for that step: after it, raises `ConfigError`, as
+        for metrics that cannot be stored (not a dict of str -> number or str, e.g. an array).
         """
         self._check_open()
         step = _as_step(step)
         if not isinstance(metrics, dict):
             raise ConfigError(f"report_eval: metrics must be a dict of str -> number, got {type(metrics).__name__}")
+        try:
+            metrics = check_metrics(metrics)   # here, not at the hook call of that step (its save would fail)
+        except ConfigError as e:
+            raise ConfigError(f"report_eval(step={step}): {e}") from None
         if self._last_step is not None and step <= self._last_step:
             raise ConfigError(
                 f"report_eval(step={step}) arrived after hook({self._last_step}, ...): the state of step "

@@ -308,6 +308,19 @@ def test_eval_driven_best_retention_keeps_exactly_expected_steps(ckdir):
     assert cc.CheckpointManager(ckdir, read_only=True).all_steps() == [4, 10, 12]
 
 
+def test_report_eval_refuses_metrics_that_cannot_be_stored_at_once_and_the_step_is_saved_on_schedule(ckdir):
+    """report_eval(4, {"val_loss": per-example losses}) was taken; hook(4, state) then raised
+    ConfigError and did not save step 4, which every_steps had scheduled."""
+    with CheckpointHook(ckdir, every_steps=2, retention=cc.KeepBest("val_loss"), preemption_signals=()) as hook:
+        for bad in ({"val_loss": jnp.ones(3)}, {"val_loss": None}, {1: 0.5}):
+            with pytest.raises(cc.ConfigError, match=r"report_eval\(step=4\): metrics"):
+                hook.report_eval(4, bad)
+        hook.report_eval(4, {"val_loss": jnp.float32(0.25)})   # a 0-d array: stored as a float
+        assert [s for s in range(1, 5) if hook(s, _tree(s))] == [2, 4]
+        hook.wait_until_finished()
+        assert hook.manager.metrics(4) == {"val_loss": 0.25} and hook.manager.best_step() == 4
+
+
 def test_schedule_every_steps_on_steps_every_secs(ckdir):
     now = [100.0]
     hook = CheckpointHook(ckdir, every_steps=4, on_steps=[6], every_secs=30, clock=lambda: now[0],
