@@ -49,8 +49,8 @@ When it saves: at steps where ``step % every_steps == 0``, at `on_steps`, when `
 since the last save, at every step called with eval `metrics` (``save_on_eval=True``; this is what
 lets `KeepBest` rank evaluations, and a step without metrics is never a best candidate), and on
 preemption. With none of the three schedules given, it saves every step (like the manager's
-default ``save_interval_steps=1``); an empty `on_steps` alone schedules no step (as CLU's): the hook
-then saves at eval steps and on preemption only (with ``save_on_eval=False`` it is a `ConfigError`).
+default ``save_interval_steps=1``; with a manager passed in, every ``save_interval_steps`` of
+it); an empty `on_steps` alone schedules no step (as CLU's): the hook then saves at eval steps and on preemption only (with ``save_on_eval=False`` it is a `ConfigError`).
 
 Eval metrics: pass them as ``hook(step, state, metrics=...)``, or call ``report_eval(step,
 metrics)`` *before* ``hook(step, ...)`` for that step. Metrics are written in the step's manifest
@@ -220,7 +220,9 @@ class CheckpointHook:
         `CheckpointManager` and closes it), or an existing open, writing manager (not closed by
         the hook; a read-only or closed one is a `ConfigError`).
       every_steps, every_secs, on_steps: CLU-style schedule; any that fires saves the step
-        (`on_steps`: a collection of steps; a ``range`` is kept as is, however long).
+        (`on_steps`: a collection of steps; a ``range`` is kept as is, however long). None of
+        them given: every step, or every ``save_interval_steps`` of a manager passed in (given
+        one, the hook's schedule decides, not the manager's interval).
       retention: policy / list / config dict for the manager the hook creates (see
         `CheckpointManager`); give it to your own manager instead when passing one.
       data_iterator: object with ``get_state()``/``set_state()``; can also be given to
@@ -266,8 +268,8 @@ class CheckpointHook:
                     f"on_steps={on_steps!r} is empty, no every_steps / every_secs is given and save_on_eval=False, "
                     f"so nothing would be saved but on preemption. Fix: list the steps to save, give every_steps= "
                     f"or every_secs=, or leave all three unset to save every step.")
-            if on_steps is None:
-                self.every_steps = 1
+            if on_steps is None:   # a manager passed in says how often: its save_interval_steps
+                self.every_steps = as_int(getattr(directory_or_manager, "save_interval_steps", 1))
         if on_preemption not in ("flag", "raise"):
             raise ConfigError(f"on_preemption must be 'flag' or 'raise', got {on_preemption!r}")
         self.on_preemption = on_preemption

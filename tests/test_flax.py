@@ -366,6 +366,17 @@ def test_a_read_only_or_closed_manager_is_refused_when_the_hook_is_built_not_at_
     assert cc.CheckpointManager(ckdir, read_only=True).all_steps() == [1, 2]
 
 
+def test_a_manager_passed_in_without_a_schedule_saves_every_save_interval_steps_of_it(ckdir):
+    """CheckpointHook(CheckpointManager(d, save_interval_steps=5)) saved every step: the hook's
+    default schedule ignored the interval the manager was given. A schedule given still decides."""
+    with cc.CheckpointManager(ckdir, save_interval_steps=np.int64(5)) as m:
+        with CheckpointHook(m, preemption_signals=()) as hook:
+            assert [s for s in range(1, 12) if hook(s, _tree(s))] == [5, 10]
+        with CheckpointHook(m, every_steps=4, preemption_signals=()) as hook:
+            assert [s for s in range(12, 17) if hook(s, _tree(s))] == [12, 16]
+        assert m.all_steps() == [5, 10, 12, 16]
+
+
 @pytest.mark.parametrize("signals", [signal.SIGTERM, "SIGTERM", (signal.SIGUSR1, signal.SIGKILL), (99999,),
                                      ("SIGTERM",), (True,)])
 def test_preemption_signals_that_cannot_be_watched_are_refused_before_anything_is_installed(ckdir, signals):
