@@ -348,6 +348,13 @@ class CheckpointHook:
                 raise IncompatibleCheckpointError(
                     f"{e}\nWith CheckpointHook: pass restore_or_init(..., iterator_remap=...) with that "
                     f"mapping, or data_iterator=None to restart the data pipeline.", e.mismatches) from None
+            except ConfigError as e:   # a bad mapping: named as the argument given here
+                raise ConfigError(f"iterator_remap: {e}") from None
+            if callable(iterator_remap) and (not isinstance(hs, dict) or _ITER_KEY not in hs):
+                raise ConfigError(
+                    f"iterator_remap returned {hs!r} for process {self.coord.process_index}: it must return a host "
+                    f"state as saved, {{{_ITER_KEY!r}: <the iterator's state>}} (e.g. saved[p]), not the "
+                    f"iterator's state alone")
             if not isinstance(hs, dict) or _ITER_KEY not in hs:
                 raise IncompatibleCheckpointError(
                     f"step {step} in {self.manager.store.url} holds no data-iterator state for process "

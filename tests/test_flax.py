@@ -485,6 +485,25 @@ def test_data_iterator_from_constructor_and_missing_state_is_an_error(ckdir, cap
     hook.close()
 
 
+def test_an_iterator_remap_that_returns_the_iterator_state_alone_or_maps_badly_is_named(ckdir):
+    """fn(saved, i, n) -> saved[0]["data_iterator"] (the iterator's state, not the host state) raised
+    'step 2 holds no data-iterator state for process 0 ... resume from a checkpoint saved with one':
+    the step holds one. A bad dict mapping was named 'remap', an argument the hook does not have."""
+    it = _Iter()
+    with CheckpointHook(ckdir, every_steps=2, data_iterator=it, preemption_signals=()) as hook:
+        for step in (1, 2):
+            next(it)
+            hook(step, _tree(step))
+    with CheckpointHook(ckdir, every_steps=2, preemption_signals=()) as hook:
+        with pytest.raises(cc.ConfigError, match=r"iterator_remap returned \{'i': 2\} for process 0"):
+            hook.restore_or_init(_tree(0), _Iter(), iterator_remap=lambda saved, i, n: saved[0]["data_iterator"])
+        with pytest.raises(cc.ConfigError, match=r"iterator_remap: remap\[0\]=1"):
+            hook.restore_or_init(_tree(0), _Iter(), iterator_remap={0: 1})
+        it = _Iter()
+        assert hook.restore_or_init(_tree(0), it, iterator_remap=lambda saved, i, n: saved[0])[1] == 2
+        assert it.i == 2
+
+
 def test_a_data_iterator_that_cannot_report_its_position_is_refused_up_front(ckdir):
     """A plain iterator was accepted and training died at the first save (an AttributeError, after
     `every_steps` steps of work): refused where it is given, nothing created."""
