@@ -522,7 +522,8 @@ class CheckpointHook:
         self.manager.wait_until_finished()   # a failure leaves the request standing: the next call saves again
         if self._watcher is not None:       # handled: a loop that goes on saves on schedule again
             self._watcher.requested = False
-        saved = self.manager.latest_step()
+        # this step, where it committed (the latest may be a damaged step that a fallback went past)
+        saved = step if step in self.manager.all_steps() else self.manager.latest_step()
         self.should_stop = True
         sig = signal.Signals(self._watcher.signum).name if self._watcher and self._watcher.signum else "a peer"
         log.warning("ckpt_callbacks: preempted (%s): step %d is committed in %s; stop the loop",

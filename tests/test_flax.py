@@ -777,6 +777,9 @@ def test_a_preemption_after_a_fallback_keeps_the_step_it_saved_below_the_damaged
             hook.wait_until_finished()
             assert hook.manager.all_steps() == [5, 6]   # 6: damaged, kept until saved anew
     assert not [r for r in caplog.records if "below the latest" in r.getMessage()]
+    # (it said 'step 6 is committed', the damaged step, not the one it saved)
+    assert [r.getMessage() for r in caplog.records if "preempted" in r.getMessage()][0].startswith(
+        "ckpt_callbacks: preempted (SIGTERM): step 5 is committed")
     with CheckpointHook(ckdir, every_steps=2, retention=cc.KeepLast(1), preemption_signals=()) as hook:
         state, start = hook.restore_or_init(_tree(0), fallback=True)
         assert start == 5
