@@ -461,10 +461,14 @@ class CheckpointHook:
 
         Returns False, quietly, when `step` is already committed (the schedule saved it; a resumed
         run reaching a saved step); a save of `step` in flight is waited for first, and its failure
-        raised (then the next ``save(step, ...)`` saves it).
+        raised (then the next ``save(step, ...)`` saves it). Eval metrics that `report_eval` got
+        for `step` are saved with it (`metrics` given here take precedence).
         """
         self._check_open()
         step = _as_step(step)
+        pending = self._pending.pop(step, None)   # (a hook call passes them on itself)
+        if pending:
+            metrics = {**pending, **(metrics or {})}
         tree = host = refused = None
         try:
             tree = state_tree(state)

@@ -321,6 +321,21 @@ def test_report_eval_refuses_metrics_that_cannot_be_stored_at_once_and_the_step_
         assert hook.manager.metrics(4) == {"val_loss": 0.25} and hook.manager.best_step() == 4
 
 
+def test_metrics_reported_for_a_step_saved_with_save_go_with_it(ckdir):
+    """report_eval(8, ...) then save(8, state) (the final step, off the schedule) saved step 8
+    without its metrics: KeepBest never saw that evaluation and kept step 5 as the best."""
+    with CheckpointHook(ckdir, every_steps=10, retention=[cc.KeepLast(1), cc.KeepBest("val_loss")],
+                        preemption_signals=()) as hook:
+        hook.report_eval(5, {"val_loss": 0.5})
+        for step in range(5, 8):
+            hook(step, _tree(step))
+        hook.report_eval(8, {"val_loss": 0.1})
+        assert hook.save(8, _tree(8)) is True
+        hook.wait_until_finished()
+        assert hook.manager.metrics(8) == {"val_loss": 0.1} and hook.manager.best_step() == 8
+        assert hook.manager.all_steps() == [8]
+
+
 def test_schedule_every_steps_on_steps_every_secs(ckdir):
     now = [100.0]
     hook = CheckpointHook(ckdir, every_steps=4, on_steps=[6], every_secs=30, clock=lambda: now[0],
