@@ -316,7 +316,9 @@ class CheckpointHook:
         `state` is the freshly initialised train state: its leaves give the shardings, shapes and
         dtypes to restore onto (a different mesh than at save time is fine). NNX objects are
         updated in place and returned; other pytrees come back as a new tree. The data iterator's
-        position is restored too (this process's own state). Call it once, before the loop, on
+        position is restored too (this process's own state); a `data_iterator` given here is the
+        one the hook saves from then on, once the restore works (after a refusal, a retry without
+        it restores without one). Call it once, before the loop, on
         every process. Resuming on a different process count needs `iterator_remap` to say which
         saved iterator state each process takes: ``{this_process: saved_process}`` or
         ``fn(saved: dict[int, host_state], process_index, process_count) -> host_state`` (see
@@ -325,8 +327,8 @@ class CheckpointHook:
         intact step is restored instead, with a warning (`CheckpointManager.restore`).
         """
         self._check_open()
-        if data_iterator is not None:
-            self.data_iterator = _checked_iterator(data_iterator)
+        # taken on only by a restore that works: a retry without it, as a refusal below advises, works
+        it = self.data_iterator if data_iterator is None else _checked_iterator(data_iterator)
         try:
             # the latest step as process 0 lists it (after a save in flight): each process listing
             # for itself could resume one from a step and another from scratch, silently
@@ -335,11 +337,12 @@ class CheckpointHook:
             if getattr(e, "deleted", False):   # deleted while read, again and again: not "no checkpoint"
                 raise
             self._last_step, self._last_save_time = 0, self.clock()
+            self.data_iterator = it
             return state, 0
         step = self.manager.restored_step
         if fallback:   # the damaged steps after it: the resumed run saves those step numbers anew, over them
             self._replace = {s for s in self.manager.all_steps() if s > step}
-        if self.data_iterator is not None:
+        if it is not None:
             try:
                 # read on every process at once: one failing alone would leave the others training
                 # into their first collective with it (a damaged host/p<i>.msgpack fails them all)
@@ -362,12 +365,13 @@ class CheckpointHook:
                     f"data_iterator= (the iterator then starts from its beginning), or resume from a "
                     f"checkpoint saved with one on the same number of processes.",
                     [(f"host_state[{self.coord.process_index}]['data_iterator']", "absent", "present")])
-            self.data_iterator.set_state(hs[_ITER_KEY])
+            it.set_state(hs[_ITER_KEY])
         elif _ITER_KEY in (self._saved_host_state(step) or {}):
             log.warning("ckpt_callbacks: step %d in %s holds this process's data-iterator position, but "
                         "restore_or_init got no data_iterator: the data pipeline starts from its beginning "
                         "(pass data_iterator= to continue where it was)", step, self.manager.store.url)
         state = put_back(state, restored)
+        self.data_iterator = it
         self._last_step = self.last_saved_step = step
         self._last_save_time = self.clock()
         log.info("ckpt_callbacks: resumed from step %d of %s", step, self.manager.store.url)

@@ -519,6 +519,20 @@ def test_an_iterator_remap_that_returns_the_iterator_state_alone_or_maps_badly_i
         assert it.i == 2
 
 
+def test_a_restore_refused_for_its_data_iterator_can_be_retried_without_it(ckdir):
+    """Refused ('holds no data-iterator state ... Fix: restore without data_iterator='), the
+    retry restore_or_init(state) on the same hook was refused again: the refused call had kept
+    the iterator as the hook's own."""
+    with CheckpointHook(ckdir, every_steps=1, preemption_signals=()) as hook:
+        hook(1, _tree(1))
+    with CheckpointHook(ckdir, every_steps=1, preemption_signals=()) as hook:
+        with pytest.raises(cc.IncompatibleCheckpointError, match="holds no data-iterator state"):
+            hook.restore_or_init(_tree(0), data_iterator=_Iter())
+        state, start = hook.restore_or_init(_tree(0))
+        assert start == 1 and hook.data_iterator is None
+        assert_tree_equal(state, _tree(1))
+
+
 def test_a_data_iterator_that_cannot_report_its_position_is_refused_up_front(ckdir):
     """A plain iterator was accepted and training died at the first save (an AttributeError, after
     `every_steps` steps of work): refused where it is given, nothing created."""
