@@ -50,7 +50,8 @@ since the last save, at every step called with eval `metrics` (``save_on_eval=Tr
 lets `KeepBest` rank evaluations, and a step without metrics is never a best candidate), and on
 preemption. With none of the three schedules given, it saves every step (like the manager's
 default ``save_interval_steps=1``; with a manager passed in, every ``save_interval_steps`` of
-it); an empty `on_steps` alone schedules no step (as CLU's): the hook then saves at eval steps and on preemption only (with ``save_on_eval=False`` it is a `ConfigError`).
+it); an empty `on_steps` alone schedules no step (as CLU's): the hook then saves at eval steps
+and on preemption only (with ``save_on_eval=False`` it is a `ConfigError`).
 
 Eval metrics: pass them as ``hook(step, state, metrics=...)``, or call ``report_eval(step,
 metrics)`` *before* ``hook(step, ...)`` for that step. Metrics are written in the step's manifest
@@ -77,7 +78,7 @@ import msgpack
 import numpy as np
 
 from . import resume
-from .checks import check_metrics, check_step, check_timeout
+from .checks import check_flag, check_metrics, check_step, check_timeout
 from .errors import (CheckpointError, CheckpointNotFoundError, CheckpointSaveError, ConfigError,
                      IncompatibleCheckpointError)
 from .manager import CheckpointManager
@@ -227,7 +228,7 @@ class CheckpointHook:
         `CheckpointManager`); give it to your own manager instead when passing one.
       data_iterator: object with ``get_state()``/``set_state()``; can also be given to
         `restore_or_init`.
-      save_on_eval: save every step that comes with eval metrics (default True).
+      save_on_eval: save every step that comes with eval metrics (default True; True or False).
       on_preemption: ``"flag"`` (set `should_stop`) or ``"raise"`` (raise `Preempted`).
       preemption_signals: signals that mean "preempted" (default SIGTERM); ``()`` watches none.
         A collection of signals a handler can catch (not SIGKILL or SIGSTOP), else `ConfigError`.
@@ -244,6 +245,9 @@ class CheckpointHook:
                  on_steps=None, retention=None, data_iterator=None, save_on_eval: bool = True,
                  on_preemption: str = "flag", preemption_signals=(signal.SIGTERM,), async_save: bool = True,
                  timeout_s: float | None = None, clock=time.monotonic):
+        check_flag("save_on_eval", save_on_eval)   # "false" (a config's string) is truthy
+        if not callable(clock):
+            raise ConfigError(f"clock must be a callable returning monotonic seconds (like time.monotonic), got {clock!r}")
         self.every_steps = _positive_or_none("every_steps", every_steps)
         self.every_secs = _positive_or_none("every_secs", every_secs, float)
         try:
@@ -273,7 +277,7 @@ class CheckpointHook:
         if on_preemption not in ("flag", "raise"):
             raise ConfigError(f"on_preemption must be 'flag' or 'raise', got {on_preemption!r}")
         self.on_preemption = on_preemption
-        self.save_on_eval = bool(save_on_eval)
+        self.save_on_eval = save_on_eval
         self.data_iterator = _checked_iterator(data_iterator)
         preemption_signals = _checked_signals(preemption_signals)
         self.clock = clock

@@ -734,6 +734,15 @@ def test_a_step_that_is_not_a_count_of_steps_is_refused_as_the_manager_refuses_i
     assert cc.CheckpointManager(ckdir, read_only=True).all_steps() == [3]
 
 
+@pytest.mark.parametrize("kw", [{"save_on_eval": "false"}, {"save_on_eval": 0}, {"clock": 5.0}])
+def test_save_on_eval_and_clock_are_checked_when_the_hook_is_built(ckdir, kw):
+    """save_on_eval="false" (a config's string) was taken as True, and saved every eval step;
+    clock=5.0 raised TypeError "'float' object is not callable"."""
+    with pytest.raises(cc.ConfigError, match=next(iter(kw))):
+        CheckpointHook(ckdir, every_steps=10, preemption_signals=(), **kw)
+    assert not os.path.exists(ckdir)
+
+
 def test_schedule_numbers_are_checked_alike_numpy_or_not(ckdir):
     hook = CheckpointHook(ckdir, every_steps=np.int64(4), every_secs=np.float32(60), preemption_signals=())
     assert (hook.every_steps, hook.every_secs) == (4, 60.0) and type(hook.every_steps) is int
