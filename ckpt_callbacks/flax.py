@@ -193,7 +193,7 @@ def _checked_signals(signals) -> tuple:
     try:
         if isinstance(signals, (str, bytes, int)):
             raise TypeError
-        out = tuple(signals)
+        out = tuple(dict.fromkeys(signals))   # each once (`PreemptionWatcher`)
     except TypeError:
         raise ConfigError(f"preemption_signals must be a collection of signals (e.g. (signal.SIGTERM,), or () "
                           f"for none), got {signals!r}") from None

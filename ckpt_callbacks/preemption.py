@@ -52,7 +52,9 @@ class PreemptionWatcher:
     """Owns signal handlers from construction to `close`; `requested` turns True on a signal."""
 
     def __init__(self, signals=(signal.SIGTERM,)):
-        self.signals = tuple(signals)
+        # each once: a second install would record this watcher's own handler as the one before it
+        # (the handler then calls itself until RecursionError, and close() leaves it installed)
+        self.signals = tuple(dict.fromkeys(signals))
         self.requested = False
         self.signum: int | None = None
         self._previous: dict = {}

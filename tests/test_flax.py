@@ -412,6 +412,17 @@ def test_preemption_signals_that_cannot_be_watched_are_refused_before_anything_i
     assert signal.getsignal(signal.SIGUSR1) == before[signal.SIGUSR1]
 
 
+def test_a_signal_listed_twice_is_watched_once(ckdir):
+    """preemption_signals=(SIGTERM, SIGTERM): the second install recorded the watcher's own handler
+    as the previous one, so SIGTERM made the handler call itself until RecursionError (raised into
+    the training loop), and close() left it installed: SIGTERM was swallowed for good."""
+    before = signal.getsignal(signal.SIGTERM)
+    with CheckpointHook(ckdir, every_steps=10, preemption_signals=(signal.SIGTERM, signal.SIGTERM)) as hook:
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert hook(1, _tree(1)) is True and hook.should_stop
+    assert signal.getsignal(signal.SIGTERM) == before
+
+
 def test_two_hooks_at_once_both_save_on_sigterm_and_closing_them_in_any_order_puts_the_handler_back(ckdir):
     """The newer hook's handler replaced the older one's: only it saved the preemption step (the
     other lost it), and closing the older first left a closed hook's handler swallowing SIGTERM."""
