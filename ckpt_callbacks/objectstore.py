@@ -217,6 +217,11 @@ class ObjectStore(Store):
         names = (k[len(MARKERS):] for k in self._list(MARKERS))
         return sorted(s for s in map(fmt.parse_step_name, names) if s is not None)
 
+    def has_step(self, step: int) -> bool:
+        # one listing of this step's marker key alone, not of every step's
+        key = MARKERS + fmt.step_name(step)
+        return key in self._list(key)
+
     def begin(self, step: int, token: str, lead: bool = True, reuse_tree: bool = False) -> str:
         """The lead process claims ``step_N/`` (pending record first), hides an old commit of the
         same step (``force=True``: not atomic on object stores) and clears an earlier attempt's bytes."""

@@ -253,6 +253,28 @@ def test_a_save_whose_claim_was_taken_is_not_committed(objstore):
     assert open_store(objstore.url).committed_steps() == []
 
 
+def _has_step_agrees_with_the_listing(url):
+    with cc.CheckpointManager(url, async_save=False) as m:
+        for step in (5, 50, 500):
+            m.save(step, {"x": np.arange(3.0)})
+    store = open_store(url)
+    store.delete(50)
+    assert store.committed_steps() == [5, 500]
+    # the committed steps and no other (a deleted one neither)
+    assert [s for s in (0, 5, 50, 500, 5000) if store.has_step(s)] == [5, 500]
+
+
+def test_has_step_answers_as_the_listing_does_on_an_object_store(objstore):
+    _has_step_agrees_with_the_listing(objstore.url)
+
+
+def test_has_step_answers_as_the_listing_does_on_a_local_directory(tmp_path):
+    _has_step_agrees_with_the_listing(str(tmp_path / "run"))
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(cc.CheckpointError, match="is a file"):
+        localstore.LocalStore(str(tmp_path / "file")).has_step(1)
+
+
 class _Feed:
     """The writer's item queue; `on_first` runs when the writer takes its first item (mid-save:
     the pending record and the zarr metadata are written, no chunk yet)."""
