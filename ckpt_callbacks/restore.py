@@ -477,7 +477,7 @@ def _restore_leaf(reader: leaf_reader, rec: dict, t):
         # device as it is (one allocation per byte, not a whole array + slices)
         distinct = list(dict.fromkeys(boxes))
         hosts = dict(zip(distinct, reader.read_boxes(rec, distinct)))
-        return _Shards(shape, sharding, [(d, hosts[b]) for d, b in zip(dmap, boxes)])
+        return _Shards(shape, sharding, [(_in_memory_of(sharding, d), hosts[b]) for d, b in zip(dmap, boxes)])
     if not boxes:
         host, bbox = None, full
     else:
@@ -491,6 +491,17 @@ def _restore_leaf(reader: leaf_reader, rec: dict, t):
         return host[tuple(slice(lo - o, hi - o) for (lo, hi), (o, _) in zip(b, bbox))]
 
     return jax.make_array_from_callback(shape, sharding, cb)
+
+
+def _in_memory_of(sharding, device):
+    """Where one shard of an array of `sharding` goes: `device` itself, or, where the sharding
+    names a memory other than the device's default (``memory_kind="pinned_host"``: an optimizer
+    state offloaded to host memory), that memory of it. (A shard put on the device's default
+    memory made jax refuse to assemble the array: "Memory kind mismatch", naming no leaf.)"""
+    kind = sharding.memory_kind
+    if kind is None or kind == device.default_memory().kind:
+        return device
+    return jax.sharding.SingleDeviceSharding(device, memory_kind=kind)
 
 
 def _weak_as(value, t):

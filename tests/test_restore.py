@@ -863,3 +863,24 @@ def test_partial_restore_reads_the_targets_part_and_still_checks_it(ckdir):
             m.restore(partial=True)
         with pytest.raises(cc.ConfigError, match="partial"):
             m.restore(target=target, partial="yes")
+
+
+@pytest.mark.parametrize("memory_kind", ["pinned_host", "unpinned_host"])
+def test_an_array_leaf_restores_onto_a_target_in_host_memory(ckdir, monkeypatch, memory_kind):
+    """An optimizer state offloaded to host memory (``memory_kind="pinned_host"``) comes back
+    there; its shards of a zarr-stored leaf used to go to the devices' default memory, and jax
+    refused to assemble them ("Memory kind mismatch"), naming no leaf."""
+    from ckpt_callbacks import snapshot
+    monkeypatch.setitem(snapshot.plan.__kwdefaults__, "pack_max_bytes", -1)   # every leaf a zarr array
+    s = NamedSharding(mesh((4, 2)), P("a"), memory_kind=memory_kind)
+    one = SingleDeviceSharding(jax.devices()[2], memory_kind=memory_kind)
+    host = random_array((8, 4), "float32", 1)
+    tree = {"mu": jax.device_put(host, s), "nu": jax.device_put(host, one)}
+    save(ckdir, tree)
+    with cc.CheckpointManager(ckdir, read_only=True) as m:
+        for target in (tree, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)):
+            got = m.restore(target=target)
+            for k in tree:
+                assert got[k].sharding == tree[k].sharding
+                assert {sh.data.sharding.memory_kind for sh in got[k].addressable_shards} == {memory_kind}
+                np.testing.assert_array_equal(np.asarray(got[k]), host)
