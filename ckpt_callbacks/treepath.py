@@ -158,10 +158,26 @@ def flatten(tree) -> Flat:
             raise TypeError(f"at {keystr(path)[:120]}...: containers nested more than {MAX_DEPTH} levels deep "
                             f"cannot be saved")
         kind, name = _kind(node)
+        if kind == "node":   # (dicts, sequences and NamedTuples cannot repeat a key)
+            _unique_keys(node, kids, path)
         return {"t": kind, "n": name, "c": [[list(e), walk(child, path + (e,))] for e, child in kids]}
 
     skeleton = walk(tree, ())
     return Flat(paths, leaves, skeleton)
+
+
+def _unique_keys(node, kids: list, path) -> None:
+    """Refuse a registered node that names two children alike (its ``flatten_with_keys`` gives
+    the same key twice, or ``.w`` and ``['w']``): a checkpoint names leaves by key path, so a
+    restore onto such a target found one of them missing, and `rebuild` (``target=None``) kept
+    one of the two, silently."""
+    seen: dict = {}
+    for e, _ in kids:
+        if (other := seen.setdefault(e[1], e)) is not e:
+            raise TypeError(f"at {keystr(path)}: {type(node).__qualname__} names two children "
+                            f"{keystr((other,))} and {keystr((e,))}: a checkpoint restores leaves by their "
+                            f"key paths, so one of them would be lost. Fix: give each child its own key in "
+                            f"the class's flatten_with_keys")
 
 
 def rebuild(skeleton, leaves: list):

@@ -103,3 +103,36 @@ def test_a_container_holding_itself_is_refused_and_the_process_saves_on(tmp_path
     with cc.CheckpointManager(str(tmp_path / "b")) as m:   # and everything else still works
         m.save(2, {"x": np.arange(3)})
     assert cc.CheckpointManager(str(tmp_path / "b"), read_only=True).restore(2)["x"].tolist() == [0, 1, 2]
+
+
+class _TwoUnder:
+    """A registered node whose flatten_with_keys names both children alike (the class's `keys`)."""
+
+    keys = ()
+
+    def __init__(self, a, b):
+        self.a, self.b = a, b
+
+
+jax.tree_util.register_pytree_with_keys(
+    _TwoUnder, lambda n: (tuple(zip(n.keys, (n.a, n.b))), None), lambda _, kids: _TwoUnder(*kids),
+    flatten_func=lambda n: ((n.a, n.b), None))
+
+
+@pytest.mark.parametrize("keys", [(jax.tree_util.GetAttrKey("w"), jax.tree_util.GetAttrKey("w")),
+                                  (jax.tree_util.GetAttrKey("w"), jax.tree_util.DictKey("w"))])
+def test_a_node_naming_two_children_alike_is_refused_at_save_and_as_a_target(tmp_path, keys, monkeypatch):
+    """It saved, and then `restore()` gave back one of the two leaves (the other silently lost),
+    while a restore onto the same tree said the checkpoint lacked the path."""
+    import ckpt_callbacks as cc
+    monkeypatch.setattr(_TwoUnder, "keys", keys)
+    tree = {"d": _TwoUnder(np.ones(2), np.zeros(2))}
+    with pytest.raises(TypeError, match=r"at \['d'\]: _TwoUnder names two children \.w and (\.w|\['w'\])"):
+        treepath.flatten(tree)
+    with cc.CheckpointManager(str(tmp_path / "c")) as m:
+        with pytest.raises(cc.InvalidTreeError, match="names two children"):
+            m.save(1, tree)
+        m.save(1, {"d": {"w": np.ones(2)}})
+        with pytest.raises(cc.InvalidTreeError, match="names two children"):
+            m.restore(1, target=tree)
+        assert m.restore(1)["d"]["w"].tolist() == [1.0, 1.0]
