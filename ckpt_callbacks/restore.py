@@ -366,7 +366,8 @@ def _restore(store: Store, step: int, target, m: dict, partial: bool = False):
         raise InvalidTreeError(f"step {step}: the restore target cannot match any checkpoint: {e}. Fix: "
                                f"restore onto a target built like the saved state, or pass target=None") from None
     order = treepath.match([r["p"] for r in recs], flat.paths, partial)
-    problems = [p for i, t, path in zip(order, flat.leaves, flat.paths)
+    tleaves = [targets.concrete(t) for t in flat.leaves]
+    problems = [p for i, t, path in zip(order, tleaves, flat.paths)
                 if (p := targets.check(recs[i], t, treepath.keystr(path)))]
     if problems:
         lines = "\n".join(f"  {w}: checkpoint has {a}, target expects {b}" for w, a, b in problems[:50])
@@ -379,8 +380,8 @@ def _restore(store: Store, step: int, target, m: dict, partial: bool = False):
                     "(the same fields, so nothing refuses it); check that this is the state you meant, "
                     "e.g. that the optimizer did not change", step, where, saved, wanted)
     reader.prefetch([recs[i] for i in order] if partial else recs)
-    leaves = _put(_map(lambda it: _restore_leaf(reader, recs[it[0]], it[1]), list(zip(order, flat.leaves))))
-    leaves = [_weak_as(v, t) for v, t in zip(leaves, flat.leaves)]
+    leaves = _put(_map(lambda it: _restore_leaf(reader, recs[it[0]], it[1]), list(zip(order, tleaves))))
+    leaves = [_weak_as(v, t) for v, t in zip(leaves, tleaves)]
     treedef = jax.tree_util.tree_structure(target, is_leaf=lambda x: x is None)
     return jax.tree_util.tree_unflatten(treedef, leaves)
 

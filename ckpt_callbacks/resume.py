@@ -29,7 +29,7 @@ import jax
 import msgpack
 
 from . import restore as restore_mod
-from . import treepath
+from . import targets, treepath
 from .errors import (CheckpointError, CheckpointNotFoundError, ConfigError, CorruptCheckpointError,
                      IncompatibleCheckpointError, StorageUnavailableError)
 
@@ -45,8 +45,8 @@ def collective(target) -> bool:
         leaves = treepath.flatten(target).leaves
     except (TypeError, ValueError):   # e.g. mixed dict keys: the restore refuses it, naming the key path
         return False
-    return any(isinstance(s := getattr(leaf, "sharding", None), jax.sharding.Sharding)
-               and not s.is_fully_addressable for leaf in leaves)
+    return any(isinstance(s := getattr(targets.concrete(leaf), "sharding", None), jax.sharding.Sharding)
+               and not targets.abstract(s) and not s.is_fully_addressable for leaf in leaves)
 
 
 def read(mngr, step, target, fallback: bool, coord=None, partial: bool = False):

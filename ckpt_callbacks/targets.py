@@ -25,7 +25,7 @@ import numpy as np
 from . import format as fmt
 from . import treepath
 
-__all__ = ["kind", "check"]
+__all__ = ["kind", "check", "concrete", "abstract"]
 
 
 def kind(t) -> str:
@@ -126,6 +126,26 @@ def check(rec: dict, t, where: str) -> tuple | None:
     return _unplaceable(t, where, _expected(rec), f"{fmt.dtype_name(t.dtype)}{list(t.shape)}")
 
 
+def abstract(sharding) -> bool:
+    """Whether `sharding` is over a `jax.sharding.AbstractMesh` (it names no devices)."""
+    return isinstance(getattr(sharding, "mesh", None), jax.sharding.AbstractMesh)
+
+
+def concrete(t):
+    """Target leaf `t` with a sharding jax can place arrays by. `jax.eval_shape` under
+    ``jax.set_mesh(mesh)`` (explicit sharding) gives ShapeDtypeStructs whose NamedSharding is
+    over ``mesh.abstract_mesh``, which names no devices (jax raised "_device_assignment is not
+    implemented", naming no leaf): inside ``jax.set_mesh`` of a mesh that it abstracts, `t` on
+    that mesh; else `t` itself (`check` refuses it then, naming its key path)."""
+    if not isinstance(t, jax.ShapeDtypeStruct) or not abstract(s := t.sharding):
+        return t
+    mesh = jax.sharding.get_mesh()
+    if mesh.empty or mesh.abstract_mesh != s.mesh:
+        return t
+    return jax.ShapeDtypeStruct(t.shape, t.dtype, weak_type=t.weak_type,
+                                sharding=jax.sharding.NamedSharding(mesh, s.spec, memory_kind=s.memory_kind))
+
+
 def _unplaceable(t, where: str, expected: str, has: str) -> tuple | None:
     """The problem, if jax cannot make the array that target leaf `t` asks for (`has`: its dtype and
     shape, those saved): a 64-bit dtype with jax_enable_x64 off (jax would make int64 int32 and
@@ -133,6 +153,10 @@ def _unplaceable(t, where: str, expected: str, has: str) -> tuple | None:
     raised only once the leaf was read, naming no key path), judged as jax does (`shard_shape`)."""
     if kind(t) != "jax":
         return None
+    if abstract(sharding := getattr(t, "sharding", None)):
+        return (where, expected, f"{has} sharded over {sharding.mesh}, an abstract mesh, which names no devices "
+                                 f"(restore inside `with jax.set_mesh(mesh)` of the mesh it abstracts, or give the "
+                                 f"target leaf a sharding over a concrete mesh)")
     if not treepath.is_prng_key(t) and (why := _not_on_devices(t)):
         return (where, expected, f"{has} on jax, which cannot hold that dtype on {why} (restore it onto a numpy "
                                  f"array target or None: host numpy)")
@@ -140,7 +164,6 @@ def _unplaceable(t, where: str, expected: str, has: str) -> tuple | None:
         return (where, expected, f"{has} on jax, which makes it {fmt.dtype_name(canon)} (wrong values) while "
                                  f"jax_enable_x64 is off (enable jax_enable_x64, or restore it onto a numpy "
                                  f"array target or None: host numpy)")
-    sharding = getattr(t, "sharding", None)
     try:
         if sharding is not None:
             sharding.shard_shape(t.shape)

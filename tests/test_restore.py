@@ -884,3 +884,34 @@ def test_an_array_leaf_restores_onto_a_target_in_host_memory(ckdir, monkeypatch,
                 assert got[k].sharding == tree[k].sharding
                 assert {sh.data.sharding.memory_kind for sh in got[k].addressable_shards} == {memory_kind}
                 np.testing.assert_array_equal(np.asarray(got[k]), host)
+
+
+def test_an_abstract_state_from_eval_shape_under_set_mesh_restores_onto_that_mesh(ckdir):
+    """Explicit sharding: `jax.eval_shape` under ``jax.set_mesh(mesh)`` gives ShapeDtypeStructs
+    sharded over ``mesh.abstract_mesh``, which names no devices; jax raised "_device_assignment is
+    not implemented", naming no leaf. Inside `set_mesh` of that mesh they restore onto it; outside
+    it (or under another mesh) the restore refuses them before reading, naming their key paths."""
+    explicit = (jax.sharding.AxisType.Explicit,) * 2
+    m = jax.make_mesh((4, 2), ("a", "b"), axis_types=explicit)
+
+    def init():
+        return {"w": jnp.zeros((8, 8), out_sharding=P("a", "b")), "keys": jax.random.split(jax.random.key(0), 8)}
+    with jax.set_mesh(m):
+        state = jax.jit(init)()
+        state["w"] = state["w"] + jnp.arange(64.0).reshape(8, 8)
+        abstract = jax.eval_shape(init)
+    assert isinstance(abstract["w"].sharding.mesh, jax.sharding.AbstractMesh)
+    save(ckdir, state)
+    with cc.CheckpointManager(ckdir, read_only=True) as r:
+        with jax.set_mesh(m):
+            got = r.restore(target=abstract)
+        assert_tree_equal(got, state)
+        assert all(got[k].sharding == state[k].sharding for k in state)
+        for mesh_ctx in (None, jax.make_mesh((2, 4), ("a", "b"), axis_types=explicit)):
+            with pytest.raises(cc.IncompatibleCheckpointError, match=r"\['w'\]: .*an abstract mesh") as e:
+                if mesh_ctx is None:
+                    r.restore(target=abstract)
+                else:
+                    with jax.set_mesh(mesh_ctx):
+                        r.restore(target=abstract)
+            assert [w for w, _, _ in e.value.mismatches] == ["['keys']", "['w']"]
