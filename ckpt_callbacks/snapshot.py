@@ -102,7 +102,11 @@ def _unsavable_dtype(where: str, dtype, name: str) -> InvalidTreeError:
     """The error for a leaf whose dtype the format cannot hold: what it is (a structured dtype as
     its fields, not numpy's "void64"), what the format holds, and how to save it instead."""
     dtype = np.dtype(dtype)
-    if dtype.names is not None:
+    if dtype == jax.dtypes.float0:   # (a structured dtype to numpy: its advice would be to save the field)
+        what = "dtype float0 (the gradient jax.grad(..., allow_int=True) gives an int or bool input; it holds no values)"
+        fix = ("leave it out, or save None in its place, e.g. "
+               "jax.tree.map(lambda g: None if g.dtype == jax.dtypes.float0 else g, grads)")
+    elif dtype.names is not None:
         what = f"a structured dtype {dtype.descr}"
         fix = "save each field as a leaf of its own, e.g. {name: x[name] for name in x.dtype.names}"
     else:
