@@ -57,7 +57,8 @@ def _why_not_0d(v, t) -> str | None:
     """None where a saved Python number may fill a 0-d array target `t` (an abstract train state
     from `jax.eval_shape`, say, of a state saved with a Python step counter): bool into bool, an
     int into an integer dtype that holds it or a float dtype that holds it exactly, a float into a
-    real float dtype whose range holds it (rounded to the dtype's precision, never to inf or 0).
+    real float dtype whose range holds it (rounded to the dtype's precision, never to inf or 0; a
+    NaN where the dtype has one).
     Else why not: " (...)" for the message, "" where `t` is no 0-d array or `v` no number."""
     if list(getattr(t, "shape", [None])) != [] or isinstance(v, (str, bytes)) or treepath.is_prng_key(t):
         return ""
@@ -85,10 +86,17 @@ def _why_not_0d(v, t) -> str | None:
         if math.isfinite(r) and int(r) == v:
             return None
         return f" (the saved value {v} is not exactly representable in {name}: it would come back rounded)"
-    # never to inf or 0 from a finite, non-zero value (nor to NaN: float8 types without inf)
-    if math.isnan(v) or (not math.isnan(r) and math.isinf(r) == math.isinf(v) and (r == 0) == (v == 0)):
+    # never to inf or 0 from a finite, non-zero value (nor to NaN: float8 types without inf), nor
+    # to the largest finite value (float4/float6 types, which have neither inf nor NaN, saturate),
+    # and NaN only where the dtype has a NaN (in those it became -0.0)
+    if math.isnan(v):
+        return None if math.isnan(r) else f" (the saved value nan would become {r!r} in {name}, which has no NaN)"
+    big = float(jax.numpy.finfo(dt).max)
+    if math.isfinite(v) and abs(v) > big and math.isfinite(r):
+        return f" (the saved value {v!r} is outside {name}'s range [{-big!r}, {big!r}]: it would become {r!r})"
+    if not math.isnan(r) and math.isinf(r) == math.isinf(v) and (r == 0) == (v == 0):
         return None
-    becomes = "NaN (it has no inf)" if math.isnan(r) else "inf" if math.isinf(r) else "0"
+    becomes = "NaN (it has no inf)" if math.isnan(r) else "inf" if math.isinf(r) else "0" if r == 0 else repr(r)
     return f" (the saved value {v!r} would become {becomes} in {name})"
 
 

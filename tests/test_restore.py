@@ -915,3 +915,23 @@ def test_an_abstract_state_from_eval_shape_under_set_mesh_restores_onto_that_mes
                     with jax.set_mesh(mesh_ctx):
                         r.restore(target=abstract)
             assert [w for w, _, _ in e.value.mismatches] == ["['keys']", "['w']"]
+
+
+def test_a_saved_python_float_never_saturates_or_loses_its_nan_in_a_0d_target_without_inf_or_nan(ckdir):
+    """float4_e2m1fn and float6_* have neither inf nor NaN: a saved 1e10 came back as their largest
+    value (6.0, 7.5) and a saved NaN as -0.0, silently; both are refused now, naming the key path.
+    Values within the range are still rounded to the dtype's precision."""
+    save(ckdir, {"scale": 1e10, "loss": float("nan"), "lr": 0.5})
+    save(ckdir, {"inf": float("inf")}, step=2)
+    m = cc.CheckpointManager(ckdir, read_only=True)
+    for name, top in (("float4_e2m1fn", 6.0), ("float6_e2m3fn", 7.5), ("float6_e3m2fn", 28.0)):
+        dt = np.dtype(getattr(ml_dtypes, name))
+        with pytest.raises(cc.IncompatibleCheckpointError) as e:
+            m.restore(1, target={"scale": np.zeros((), dt), "loss": np.zeros((), dt), "lr": np.zeros((), dt)})
+        assert [w for w, _, _ in e.value.mismatches] == ["['loss']", "['scale']"], name
+        assert f"outside {name}'s range [{-top}, {top}]" in str(e.value) and "which has no NaN" in str(e.value)
+        assert m.restore(1, target={"scale": 0.0, "loss": 0.0, "lr": np.zeros((), dt)})["lr"] == 0.5
+        with pytest.raises(cc.IncompatibleCheckpointError, match=f"the saved value inf would become {top} in {name}"):
+            m.restore(2, target={"inf": np.zeros((), dt)})   # (the message said "0")
+    out = m.restore(1, target={"scale": np.zeros((), np.float32), "loss": np.zeros((), ml_dtypes.float8_e4m3fn), "lr": 0.0})
+    assert out["scale"] == np.float32(1e10) and np.isnan(out["loss"].astype(np.float32))   # (NaN where it has one)
