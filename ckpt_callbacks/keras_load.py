@@ -28,6 +28,8 @@ may go on saving into the directory meanwhile.
 
 from __future__ import annotations
 
+import keras
+
 from .errors import ConfigError, IncompatibleCheckpointError
 from .checks import check_flag
 from .keras_state import OPTIMIZER, assign, mismatch
@@ -99,6 +101,9 @@ def load_weights(model, directory, step: int | None = None, *, optimizer: bool =
     `AsyncCheckpoint`, which resumes all of it.
     """
     check_flag("optimizer", optimizer)
+    if not isinstance(model, keras.Model):
+        raise ConfigError(f"load_weights: model must be a keras.Model (built with the layers of the run that "
+                          f"saved), got {type(model).__name__}. Fix: load_weights(model, directory, step)")
     if not getattr(model, "built", False) or not model.variables:
         raise ConfigError(f"load_weights: {model.name!r} has no variables yet. Fix: build it first (a "
                           f"keras.Input as its first layer, model.build(shape), or call it on a batch)")
