@@ -174,8 +174,10 @@ class AsyncCheckpoint(keras.callbacks.Callback):
             raise ConfigError(f"directory must be a path or a URL (str or os.PathLike), got {directory!r}")
         if isinstance(verbose, bool) or not isinstance(verbose, numbers.Integral) or verbose not in (0, 1):
             raise ConfigError(f"verbose must be 0 (silent) or 1 (a line per resume and save), got {verbose!r}")
-        if save_freq != "epoch" and (isinstance(save_freq, bool) or not isinstance(save_freq, int) or save_freq < 1):
-            raise ConfigError(f"save_freq must be 'epoch' or a positive int (batches), got {save_freq!r}")
+        if not (isinstance(save_freq, str) and save_freq == "epoch"):
+            if isinstance(save_freq, bool) or not isinstance(save_freq, numbers.Integral) or save_freq < 1:
+                raise ConfigError(f"save_freq must be 'epoch' or a positive int (batches), got {save_freq!r}")
+            save_freq = int(save_freq)   # (a NumPy integer too, as keep_last takes one)
         if mode not in ("auto", "min", "max"):
             raise ConfigError(f"mode must be 'auto', 'min' or 'max', got {mode!r}")
         if not isinstance(monitor, str) or not monitor:

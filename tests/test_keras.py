@@ -747,6 +747,11 @@ def test_configuration_errors(ckdir):
         AsyncCheckpoint(ckdir, save_freq=10)
     with pytest.raises(cc.ConfigError, match="save_freq"):
         AsyncCheckpoint(ckdir, save_freq="batch")
+    for bad in (0, 2.0, True, np.array([5]), np.float64(5)):
+        with pytest.raises(cc.ConfigError, match="save_freq must be"):
+            AsyncCheckpoint(ckdir, save_freq=bad, data=False)
+    cb = AsyncCheckpoint(ckdir, save_freq=np.int64(5), data=False)   # refused as "not a positive int" before
+    assert cb.save_freq == 5 and type(cb.save_freq) is int
     with pytest.raises(cc.ConfigError, match="keep_last"):
         AsyncCheckpoint(ckdir, keep_last=0)
     with pytest.raises(cc.ConfigError, match="async_save"):
