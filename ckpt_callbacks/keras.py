@@ -366,6 +366,7 @@ class AsyncCheckpoint(keras.callbacks.Callback):
         self._data_saved = None
         self._replace = set()
         self._last_loss = None   # the running loss of the last batch-end hook (`_skip_nonfinite`)
+        self._unrankable = set()   # ranked metrics the logs hold as arrays (`_warn_unrankable` said so)
         # batches read from a ResumableDataset `data` before this fit trained: fit() must read on from it
         self._served_at = self.data.served if isinstance(self.data, ResumableDataset) else None
         step = self.manager.latest_step()
@@ -502,6 +503,7 @@ class AsyncCheckpoint(keras.callbacks.Callback):
             self._check_data_is_read()
         self._since_save = 0
         metrics = keras_state.numeric_logs(logs)
+        self._warn_unrankable(logs, metrics)
         current = metrics.get(self.monitor)   # (a ranked metric missing from them: the manager warns)
         if current is not None and self._mode is not None and not math.isnan(current):
             better = self.best is None or (current < self.best if self._mode == "min" else current > self.best)
@@ -531,6 +533,20 @@ class AsyncCheckpoint(keras.callbacks.Callback):
             self._save(epoch, self._batch, metrics=metrics, replace=again)
         else:
             self._save(epoch + 1, 0, metrics=metrics, replace=again)
+
+    def _warn_unrankable(self, logs, metrics: dict) -> None:
+        """Once per fit and metric: the monitor or a metric a KeepBest ranks by is in the logs, but
+        not as one number (`F1Score(average=None)` logs one value per class), so no step ranks by
+        it. Said here rather than by the manager, whose warning would say the logs lack it."""
+        ranked = [self.monitor] + [p.metric for p in self.manager.policies or [] if isinstance(p, KeepBest)]
+        found = keras_state.unrankable(logs, metrics, [m for m in dict.fromkeys(ranked) if m not in self._unrankable])
+        for name, what in found.items():
+            self._unrankable.add(name)
+            self.manager._warned_unranked.add(name)
+            log.warning("ckpt_callbacks: AsyncCheckpoint: %r is %s in epoch %d's logs, not one number, so no step "
+                        "ranks by it (monitor, keep_best; the steps are saved without it). Fix: make it one "
+                        "number (e.g. F1Score(average='macro') instead of one value per class), or rank by "
+                        "another metric", name, what, self._epoch + 1)
 
     def _skip_nonfinite(self, loss, what: str) -> bool:
         """Whether to skip a save because the loss is NaN or infinite: weights that produced it are

@@ -27,7 +27,7 @@ import numpy as np
 from .errors import ConfigError, IncompatibleCheckpointError
 
 __all__ = ["PROGRESS", "OPTIMIZER", "state_tree", "assign", "flatten", "rng_state", "set_rng_state", "numeric_logs",
-           "mismatch"]
+           "unrankable", "mismatch"]
 
 PROGRESS = ("epoch", "batch", "global_step", "best", "version")   # the run's position, saved beside the model
 OPTIMIZER = "optimizer"
@@ -109,13 +109,29 @@ def set_rng_state(s: dict) -> None:
 
 
 def numeric_logs(logs) -> dict:
-    """The entries of Keras' logs that are numbers, as floats (the metrics a step is saved with)."""
+    """The entries of Keras' logs that are numbers, as floats (the metrics a step is saved with); an
+    array of one value counts as that number (e.g. `F1Score` of one class logs shape (1,)). Arrays
+    of several values (`F1Score(average=None)`: one per class) are left out: no step ranks by them."""
     out = {}
     for k, v in (logs or {}).items():
+        if getattr(v, "shape", ()) != () and getattr(v, "size", None) == 1:
+            v = np.asarray(v).reshape(())
         try:
             out[str(k)] = float(v)
         except (TypeError, ValueError):
             pass
+    return out
+
+
+def unrankable(logs, metrics: dict, names) -> dict:
+    """Of `names`, those that Keras' `logs` hold but `metrics` (`numeric_logs(logs)`) left out, as
+    {name: what they are}, e.g. {"val_f1_score": "an array of shape (3,)"}."""
+    out = {}
+    for name in names:
+        if name in (logs or {}) and name not in metrics:
+            v = logs[name]
+            shape = getattr(v, "shape", None)
+            out[name] = f"an array of shape {tuple(shape)}" if shape is not None else f"a {type(v).__name__}"
     return out
 
 

@@ -1012,6 +1012,32 @@ def test_a_ranked_metric_missing_from_the_logs_is_warned_about_once(ckdir, caplo
     assert not [r for r in caplog.records if "do not have it" in r.getMessage()]
 
 
+def test_a_ranked_metric_logged_as_an_array_is_told_as_such_and_one_of_one_value_ranks(tmp_path, caplog):
+    """F1Score logs one value per class: no step can rank by it. The only warning said the logs
+    did not have 'val_f1_score' ("check the metric's name"); an F1Score of one class (shape (1,))
+    never ranked either."""
+    x, y, val = _data()
+    yc = np.concatenate([y > 0, y < 0], axis=1).astype("float32")
+    for classes, kw in ((2, {}), (1, {"keep_last": 1})):
+        keras.backend.clear_session()
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(classes, activation="sigmoid")])
+        model.compile("adam", "binary_crossentropy", metrics=[keras.metrics.F1Score()])
+        cb = AsyncCheckpoint(str(tmp_path / str(classes)), monitor="val_f1_score", keep_best=1, **kw)
+        caplog.clear()
+        with caplog.at_level("WARNING", "ckpt_callbacks"):
+            model.fit(x, yc[:, :classes], batch_size=16, epochs=3, verbose=0, callbacks=[cb],
+                      validation_data=(val[0], np.concatenate([val[1] > 0, val[1] < 0], 1)[:, :classes]))
+        said = [r.getMessage() for r in caplog.records]
+        if classes == 2:
+            assert cb.manager.best_step() is None and cb.best is None
+            assert len([m for m in said if "f1_score" in m]) == 1, said   # once per fit, and not "lack it"
+            assert "'val_f1_score' is an array of shape (2,) in epoch 1's logs" in said[0], said
+        else:
+            assert not said and cb.best is not None
+            assert cb.manager.best_step() in cb.manager.all_steps()
+            assert cb.manager.metrics(cb.manager.best_step())["val_f1_score"] == cb.best
+
+
 def test_a_keep_best_without_a_mode_for_an_unknown_metric_lists_the_known_ones(ckdir):
     x, y, val = _data()
     cb = AsyncCheckpoint(ckdir, retention={"keep_best": {"metric": "val_acuracy"}})
