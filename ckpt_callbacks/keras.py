@@ -298,6 +298,7 @@ class AsyncCheckpoint(keras.callbacks.Callback):
         keras_resume.check_epochs_are_passes(self)
         keras_state.state_tree(self.model)   # a model whose state cannot be saved fails now, not after an epoch
         self._mode = keras_policy.resolved_mode(self)
+        self._dtype_policies = keras_state.dtype_policies(self.model)
         self.manager = CheckpointManager(self.directory, retention=keras_policy.policies(self, self._mode),
                                          async_save=self.async_save, max_staging_bytes=self.max_staging_bytes,
                                          timeout_s=self.timeout_s)
@@ -576,7 +577,8 @@ class AsyncCheckpoint(keras.callbacks.Callback):
         model.jax_state_sync()   # mid-epoch, the live (to-be-donated) state is in model._jax_state
         progress = {"epoch": int(epoch), "batch": int(batch), "global_step": int(self._global_step),
                     "best": float("nan") if self.best is None else float(self.best), "version": 1}
-        host = {"rng": keras_state.rng_state(), "steps": keras_resume.epoch_steps(self)}
+        host = {"rng": keras_state.rng_state(), "steps": keras_resume.epoch_steps(self),
+                "dtype_policies": self._dtype_policies}
         refused = None
         if self._state_iterator():
             try:

@@ -210,6 +210,13 @@ def restore(cb, step: int) -> None:
         keras_state.set_rng_state(host["rng"])
     if move_data:
         cb.data.set_state(host["data"])   # (at `_data_at`, fit() has read on from there already)
+    saved_policies = host.get("dtype_policies")
+    if saved_policies is not None and list(saved_policies) != cb._dtype_policies:
+        log.warning("ckpt_callbacks: step %d was trained by a model with the dtype policies %s, and this one has "
+                    "%s: the resumed run computes in other dtypes than the run that saved (the variables restore "
+                    "all the same). keras.backend.clear_session() resets the global policy: call "
+                    "keras.mixed_precision.set_global_policy(...) again after it, before building the model",
+                    step, ", ".join(saved_policies), ", ".join(cb._dtype_policies))
     saved_steps, steps = host.get("steps"), epoch_steps(cb)
     if batch and saved_steps and steps and int(saved_steps) != steps:
         log.warning("ckpt_callbacks: step %d was saved after batch %d of epoch %d, whose epochs had %d "

@@ -26,7 +26,7 @@ import numpy as np
 
 from .errors import ConfigError, IncompatibleCheckpointError
 
-__all__ = ["PROGRESS", "OPTIMIZER", "state_tree", "assign", "flatten", "rng_state", "set_rng_state", "numeric_logs",
+__all__ = ["PROGRESS", "OPTIMIZER", "state_tree", "assign", "flatten", "dtype_policies", "rng_state", "set_rng_state", "numeric_logs",
            "unrankable", "mismatch"]
 
 PROGRESS = ("epoch", "batch", "global_step", "best", "version")   # the run's position, saved beside the model
@@ -90,6 +90,14 @@ def assign(model, values: dict, groups: tuple = GROUPS) -> None:
         plan += [(v, flat[p]) for v, p in zip(variables, paths)]
     for v, value in plan:
         v.assign(value)
+
+
+def dtype_policies(model) -> list[str]:
+    """The names of the dtype policies of `model` and its layers, sorted (e.g. ["float32",
+    "mixed_bfloat16"]): saved with each step, so that a resume under another policy is told.
+    Variables keep their dtype under a mixed policy, so the restore itself cannot see it."""
+    layers = model._flatten_layers(include_self=True) if hasattr(model, "_flatten_layers") else [model]
+    return sorted({str(p.name) for layer in layers if (p := getattr(layer, "dtype_policy", None)) is not None})
 
 
 def rng_state() -> dict:

@@ -1038,6 +1038,31 @@ def test_a_ranked_metric_logged_as_an_array_is_told_as_such_and_one_of_one_value
             assert cb.manager.metrics(cb.manager.best_step())["val_f1_score"] == cb.best
 
 
+def test_a_resume_under_another_dtype_policy_is_warned_about(ckdir, caplog):
+    """keras.backend.clear_session() (as docs advise before building the model again) also resets
+    the global mixed-precision policy: a mixed_bfloat16 run resumed in float32, silently (the
+    variables are float32 under both, so the strict restore passed)."""
+    x, y, _ = _data()
+    try:
+        keras.mixed_precision.set_global_policy("mixed_bfloat16")
+        _model(clear=False).fit(x, y, batch_size=16, epochs=1, verbose=0, callbacks=[AsyncCheckpoint(ckdir)])
+        for policy, warned in (("mixed_bfloat16", False), ("float32", True)):
+            keras.backend.clear_session()   # resets the policy to float32
+            keras.mixed_precision.set_global_policy(policy)
+            cb = AsyncCheckpoint(ckdir)
+            caplog.clear()
+            with caplog.at_level("WARNING", "ckpt_callbacks"):
+                _model(clear=False).fit(x, y, batch_size=16, epochs=3 if warned else 2, verbose=0, callbacks=[cb])
+            said = [r.getMessage() for r in caplog.records if "dtype policies" in r.getMessage()]
+            assert cb.resumed_step is not None
+            if warned:
+                assert len(said) == 1 and "dtype policies mixed_bfloat16, and this one has float32:" in said[0], said
+            else:
+                assert not said
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+
+
 def test_a_keep_best_without_a_mode_for_an_unknown_metric_lists_the_known_ones(ckdir):
     x, y, val = _data()
     cb = AsyncCheckpoint(ckdir, retention={"keep_best": {"metric": "val_acuracy"}})
