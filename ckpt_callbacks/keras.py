@@ -578,7 +578,7 @@ class AsyncCheckpoint(keras.callbacks.Callback):
         progress = {"epoch": int(epoch), "batch": int(batch), "global_step": int(self._global_step),
                     "best": float("nan") if self.best is None else float(self.best), "version": 1}
         host = {"rng": keras_state.rng_state(), "steps": keras_resume.epoch_steps(self),
-                "dtype_policies": self._dtype_policies}
+                "dtype_policies": self._dtype_policies, "monitor": [self.monitor, self._mode]}
         refused = None
         if self._state_iterator():
             try:

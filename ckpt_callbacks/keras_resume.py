@@ -205,7 +205,11 @@ def restore(cb, step: int) -> None:
     cb._resumed_metrics = keras_state.flatten(values["metrics_variables"])
     cb._global_step = int(progress["global_step"])
     best = progress["best"]
-    cb.best = None if best is None or math.isnan(best) else float(best)
+    ranked_by = host.get("monitor")   # [monitor, mode] of the run that saved (absent in older steps)
+    if ranked_by is not None and list(ranked_by) != [cb.monitor, cb._mode]:
+        cb.best = cb.initial_value_threshold   # another metric's or direction's best means nothing here
+    else:
+        cb.best = None if best is None or math.isnan(best) else float(best)
     if host.get("rng"):
         keras_state.set_rng_state(host["rng"])
     if move_data:

@@ -1063,6 +1063,25 @@ def test_a_resume_under_another_dtype_policy_is_warned_about(ckdir, caplog):
         keras.mixed_precision.set_global_policy("float32")
 
 
+def test_a_resume_ranking_by_another_monitor_does_not_start_from_the_old_monitors_best(ckdir):
+    """cb.best (and the verbose 'improved' lines) continued from the saved best of the run's old
+    monitor: val_loss's best (mse of flipped targets, large), which no val_mae beat, stayed."""
+    x, y, val = _data(flip_val=True)
+    first = AsyncCheckpoint(ckdir, monitor="val_loss", mode="max")
+    _model().fit(x, y, batch_size=16, epochs=2, validation_data=val, verbose=0, callbacks=[first])
+    history = []
+    for mode, epochs in (("max", 4), ("max", 5), ("min", 6)):
+        cb = AsyncCheckpoint(ckdir, monitor="val_mae", mode=mode)
+        h = _model().fit(x, y, batch_size=16, epochs=epochs, validation_data=val, verbose=0, callbacks=[cb])
+        history += h.history["val_mae"]
+        if epochs == 4:    # another monitor: its best is of this fit's epochs alone
+            assert max(history) < first.best and cb.best == pytest.approx(max(history))
+        if epochs == 5:    # the same monitor and mode: the best goes on from the saved one
+            assert cb.best == pytest.approx(max(history))
+        if epochs == 6:    # the same monitor, the other direction
+            assert cb.best == pytest.approx(min(h.history["val_mae"]))
+
+
 def test_a_keep_best_without_a_mode_for_an_unknown_metric_lists_the_known_ones(ckdir):
     x, y, val = _data()
     cb = AsyncCheckpoint(ckdir, retention={"keep_best": {"metric": "val_acuracy"}})
