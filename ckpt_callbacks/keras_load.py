@@ -92,7 +92,9 @@ def load_weights(model, directory, step: int | None = None, *, optimizer: bool =
       step: a committed step; None for the latest. The best by a metric:
         ``cc.CheckpointManager(directory, read_only=True, retention=cc.KeepBest("val_loss")).best_step()``.
       optimizer: also load the optimizer's variables (its slots and iteration count); the model
-        must then be compiled with the optimizer of the run that saved.
+        must then be compiled with the optimizer of the run that saved. A run with
+        ``use_ema=True`` saved the raw weights; for the EMA ones (what `fit` returned), load with
+        ``optimizer=True``, then ``model.optimizer.finalize_variable_values(model.trainable_variables)``.
 
     Each variable is restored onto its own sharding. The saved tree must hold every variable
     of the model: a missing or differently shaped one raises `IncompatibleCheckpointError`

@@ -127,3 +127,23 @@ def test_bad_input_and_missing_steps_raise_typed_errors(run, tmp_path):
     for not_a_model in (None, d, _model().layers[0]):   # (an AttributeError on .name before)
         with pytest.raises(cc.ConfigError, match="model must be a keras.Model"):
             load_weights(not_a_model, d)
+
+
+def test_the_ema_weights_fit_returned_are_loaded_as_docs_keras_md_says(tmp_path):
+    """use_ema=True: the checkpoint holds the raw weights (fit copies the EMA ones in after the
+    last save); load_weights(optimizer=True) then finalize_variable_values gives fit's result."""
+    d = str(tmp_path / "ema")
+    keras.utils.set_random_seed(0)
+    trained = _model(norm=False)
+    trained.compile(optimizer=keras.optimizers.Adam(0.05, use_ema=True, ema_momentum=0.9), loss="mse")
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal((64, 4)).astype(np.float32), rng.standard_normal((64, 1)).astype(np.float32)
+    trained.fit(x, y, batch_size=8, epochs=2, verbose=0, callbacks=[AsyncCheckpoint(d)])
+    served = _model(norm=False)
+    load_weights(served, d)
+    assert not np.array_equal(served.get_layer("out").kernel.numpy(), trained.get_layer("out").kernel.numpy())
+    served.compile(optimizer=keras.optimizers.Adam(use_ema=True), loss="mse")
+    load_weights(served, d, optimizer=True)
+    served.optimizer.finalize_variable_values(served.trainable_variables)
+    for a, b in zip(served.get_weights(), trained.get_weights()):
+        np.testing.assert_array_equal(a, b)
