@@ -21,6 +21,7 @@ target, `assign` and `set_rng_state` in `on_train_begin` after the manager's str
 from __future__ import annotations
 
 import random
+import re
 
 import numpy as np
 
@@ -147,6 +148,17 @@ def mismatch(e: IncompatibleCheckpointError, what: str, url: str, step, fix: str
     """A restore's `e` retold of a Keras model (`what`, e.g. "AsyncCheckpoint: the model"): the
     step, the directory, every mismatched key path, and `fix` instead of the restore's own."""
     detail = "\n".join(line for line in str(e).splitlines() if not line.startswith("Fix:"))
+    numbered = list(dict.fromkeys(   # of the paths the model has and the checkpoint lacks
+        k for path, saved, *_ in e.mismatches or () if saved == "absent"
+        for k in re.findall(r"\['([^']*)'\]", path)[2:] if _NUMBERED.fullmatch(k)))
+    if numbered:   # the same model built twice in one process: Keras numbered its names on
+        fix += (f" Names such as {', '.join(repr(k) for k in numbered[:3])} may be Keras' numbering of "
+                f"unnamed layers, seed generators and optimizers, which goes on in a process that built "
+                f"a model before: call keras.backend.clear_session() before building the model (then set "
+                f"a mixed-precision policy again), or build it in a fresh process, as the run that saved did.")
     return IncompatibleCheckpointError(
         f"{what} does not match checkpoint step {getattr(e, 'step', step)} in {url}; nothing was loaded. "
         f"{detail}\nFix: {fix}", e.mismatches)
+
+
+_NUMBERED = re.compile(r"[a-z][a-z0-9_]*_[0-9]+")   # dense_2, seed_generator_1, sequential_3

@@ -147,3 +147,23 @@ def test_the_ema_weights_fit_returned_are_loaded_as_docs_keras_md_says(tmp_path)
     served.optimizer.finalize_variable_values(served.trainable_variables)
     for a, b in zip(served.get_weights(), trained.get_weights()):
         np.testing.assert_array_equal(a, b)
+
+
+def test_a_model_built_again_in_one_process_is_refused_with_keras_numbering_named_as_the_cause(run, tmp_path):
+    """The error said only 'build the model of the run that saved (the same layer names and
+    shapes)', which the user had done: Keras had numbered the second build's names on."""
+    d = str(tmp_path / "unnamed")
+    make = lambda: keras.Sequential([keras.Input((4,)), keras.layers.Dense(2), keras.layers.Dropout(0.1),  # noqa: E731
+                                     keras.layers.Dense(1)])
+    keras.backend.clear_session()
+    model = make()
+    model.compile(optimizer="sgd", loss="mse")
+    model.fit(np.ones((8, 4)), np.ones((8, 1)), verbose=0, callbacks=[AsyncCheckpoint(d)])
+    with pytest.raises(cc.IncompatibleCheckpointError, match=r"(?s)Names such as 'seed_generator_1', "
+                       r"'sequential_1', 'dense_2' may be Keras' numbering.*clear_session\(\)"):
+        load_weights(make(), d)
+    keras.backend.clear_session()
+    assert load_weights(make(), d) == 1   # as the message says
+    with pytest.raises(cc.IncompatibleCheckpointError) as e:   # a real difference: no such advice
+        load_weights(_model(width=9), run[0])
+    assert "numbering" not in str(e.value)
