@@ -30,9 +30,9 @@ from __future__ import annotations
 
 import keras
 
-from .errors import ConfigError, IncompatibleCheckpointError
+from .errors import CheckpointError, ConfigError, IncompatibleCheckpointError
 from .checks import check_flag
-from .keras_state import OPTIMIZER, assign, mismatch
+from .keras_state import OPTIMIZER, flatten, mismatch
 from .manager import CheckpointManager
 from .restore import read_manifest
 from . import treepath
@@ -40,11 +40,13 @@ from . import treepath
 __all__ = ["load_weights"]
 
 
-def _nested(variables, rename=None) -> dict:
-    """Variables as the nested dict of their paths (as `model.get_state_tree()` nests them)."""
+_WEIGHTS = ("trainable_variables", "non_trainable_variables")
+
+
+def _nested(items) -> dict:
+    """(path, variable) pairs as the nested dict of their paths (as `model.get_state_tree()` nests them)."""
     out: dict = {}
-    for v in variables:
-        path = rename(v.path) if rename else v.path
+    for path, v in items:
         *parents, name = path.split("/")
         node = out
         for p in parents:
@@ -54,6 +56,24 @@ def _nested(variables, rename=None) -> dict:
                               f"and variable its own name, as in the run that saved")
         node[name] = v.value
     return out
+
+
+def _as_saved(mngr, step, plan: list) -> list:
+    """`plan` with each weight read from the group it was saved in: a variable whose trainable
+    flag changed since (``model.trainable = False`` for inference or feature extraction, a frozen
+    base for fine-tuning) is the same variable; only the optimizer cares which ones train."""
+    at = mngr.latest_step() if step is None else step
+    try:
+        leaves = read_manifest(mngr.store, at)["leaves"] if at is not None else []
+    except CheckpointError:   # (the restore raises what is wrong with that step)
+        return plan
+    saved: dict = {}
+    for r in leaves:
+        keys = [k for _, k in r["p"]]
+        if len(keys) > 2 and keys[0] == "model" and keys[1] in _WEIGHTS:
+            saved.setdefault("/".join(map(str, keys[2:])), set()).add(keys[1])
+    return [(v, g, p) if g not in _WEIGHTS or g in saved.get(p, {g}) else (v, min(saved[p]), p)
+            for v, g, p in plan]
 
 
 def _check_no_variable_left_out(mngr, step: int, target: dict, name: str, groups: dict) -> None:
@@ -87,7 +107,8 @@ def load_weights(model, directory, step: int | None = None, *, optimizer: bool =
     Args:
       model: a built Keras model with the layers of the run that saved (the same layer names
         and shapes; Keras numbers unnamed layers per process, so name them, or build the model
-        in a fresh process as training did). It need not be compiled.
+        in a fresh process as training did). It need not be compiled, and which of its layers
+        train may differ from that run (``model.trainable = False``, a frozen base).
       directory: the callback's directory (a path, ``s3://`` or ``gs://`` URL).
       step: a committed step; None for the latest. The best by a metric:
         ``cc.CheckpointManager(directory, read_only=True, retention=cc.KeepBest("val_loss")).best_step()``.
@@ -109,9 +130,7 @@ def load_weights(model, directory, step: int | None = None, *, optimizer: bool =
     if not getattr(model, "built", False) or not model.variables:
         raise ConfigError(f"load_weights: {model.name!r} has no variables yet. Fix: build it first (a "
                           f"keras.Input as its first layer, model.build(shape), or call it on a batch)")
-    groups = {"trainable_variables": model.trainable_variables,
-              "non_trainable_variables": model.non_trainable_variables}
-    rename = None
+    plan = [(v, g, v.path) for g in _WEIGHTS for v in getattr(model, g)]   # (variable, group, saved path)
     if optimizer:
         opt = getattr(model, "optimizer", None)
         if opt is None:
@@ -119,11 +138,13 @@ def load_weights(model, directory, step: int | None = None, *, optimizer: bool =
                               f"with the optimizer of the run that saved, or leave optimizer=False")
         if not opt.built:
             opt.build(model.trainable_variables)
-        groups["optimizer_variables"] = opt.variables
         prefix = opt.name + "/"
-        rename = lambda p: OPTIMIZER + p[len(opt.name):] if p.startswith(prefix) else p  # noqa: E731
-    target = {"model": {g: _nested(vs, rename if g == "optimizer_variables" else None) for g, vs in groups.items()}}
+        plan += [(v, "optimizer_variables", OPTIMIZER + v.path[len(opt.name):] if v.path.startswith(prefix)
+                  else v.path) for v in opt.variables]
     with CheckpointManager(directory, read_only=True) as mngr:
+        plan = _as_saved(mngr, step, plan)
+        groups = dict.fromkeys(_WEIGHTS + (("optimizer_variables",) if optimizer else ()))
+        target = {"model": {g: _nested([(p, v) for v, vg, p in plan if vg == g]) for g in groups}}
         try:
             tree = mngr.restore(step, target, partial=True)
         except IncompatibleCheckpointError as e:
@@ -132,5 +153,8 @@ def load_weights(model, directory, step: int | None = None, *, optimizer: bool =
                            "with cc.CheckpointManager(...).restore(target=None) and pick what you need.") from None
         step = mngr.restored_step
         _check_no_variable_left_out(mngr, step, target, model.name, groups)
-    assign(model, tree["model"], groups=tuple(groups))
+    flat = {g: flatten(tree["model"][g]) for g in groups}
+    values = [(v, flat[g][p]) for v, g, p in plan]   # (every one: the restore was strict about the target)
+    for v, value in values:
+        v.assign(value)
     return step

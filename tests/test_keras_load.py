@@ -167,3 +167,21 @@ def test_a_model_built_again_in_one_process_is_refused_with_keras_numbering_name
     with pytest.raises(cc.IncompatibleCheckpointError) as e:   # a real difference: no such advice
         load_weights(_model(width=9), run[0])
     assert "numbering" not in str(e.value)
+
+
+def test_a_model_frozen_for_inference_or_fine_tuning_takes_the_weights_too(run):
+    """model.trainable = False (inference, feature extraction) or a frozen layer moves variables to
+    non_trainable_variables; load_weights refused the model ("checkpoint has it: no") though
+    every variable was in the checkpoint, under trainable_variables."""
+    d, saved, _ = run
+    want = _flat(saved[max(saved)])
+    frozen = _model()
+    frozen.trainable = False
+    partly = _model()
+    partly.get_layer("h").trainable = False
+    for model in (frozen, partly):
+        assert load_weights(model, d) == max(saved)
+        for v in model.variables:
+            group = "non_trainable_variables" if "moving" in v.path else "trainable_variables"
+            np.testing.assert_array_equal(np.asarray(v.value), want[f"{group}/{v.path}"], err_msg=v.path)
+    assert partly.get_layer("h").trainable_variables == []   # (the flags are the model's own still)
