@@ -65,7 +65,7 @@ def _as_saved(mngr, step, plan: list) -> list:
     at = mngr.latest_step() if step is None else step
     try:
         leaves = read_manifest(mngr.store, at)["leaves"] if at is not None else []
-    except CheckpointError:   # (the restore raises what is wrong with that step)
+    except (CheckpointError, ValueError, TypeError):   # (the restore raises what is wrong: no such step, a bad step)
         return plan
     saved: dict = {}
     for r in leaves:

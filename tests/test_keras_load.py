@@ -124,6 +124,9 @@ def test_bad_input_and_missing_steps_raise_typed_errors(run, tmp_path):
         load_weights(unbuilt, d)
     with pytest.raises(cc.ConfigError, match="optimizer"):
         load_weights(_model(), d, optimizer=1)
+    for step in (True, "2", -1, 2.0):
+        with pytest.raises(cc.ConfigError, match="step must be an int"):
+            load_weights(_model(), d, step)
     for not_a_model in (None, d, _model().layers[0]):   # (an AttributeError on .name before)
         with pytest.raises(cc.ConfigError, match="model must be a keras.Model"):
             load_weights(not_a_model, d)
