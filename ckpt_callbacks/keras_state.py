@@ -27,8 +27,8 @@ import numpy as np
 
 from .errors import ConfigError, IncompatibleCheckpointError
 
-__all__ = ["PROGRESS", "OPTIMIZER", "state_tree", "assign", "flatten", "dtype_policies", "rng_state", "set_rng_state", "numeric_logs",
-           "unrankable", "mismatch"]
+__all__ = ["PROGRESS", "OPTIMIZER", "state_tree", "assign", "flatten", "dtype_policies", "rng_state",
+           "set_rng_state", "numeric_logs", "unrankable", "mismatch"]
 
 PROGRESS = ("epoch", "batch", "global_step", "best", "version")   # the run's position, saved beside the model
 OPTIMIZER = "optimizer"
