@@ -21,10 +21,7 @@ while a live process holds it.
 
 from __future__ import annotations
 
-import os
-import socket
 import sys
-import time
 
 from . import lock
 from .cli import leftover_records, read_manifests
@@ -50,7 +47,7 @@ def cmd_gc(args, store, out) -> int:
         return 2
     locked = False
     if store.local and args.dry_run:
-        _refuse_if_written(store.root)   # as gc itself would be: its "would delete" list would be untrue
+        lock.check_free(store.root)   # as gc itself would be: its "would delete" list would be untrue
     elif store.local:
         lock.acquire(store.root)   # CheckpointLockedError while a live trainer writes here
         locked = True
@@ -127,24 +124,6 @@ def _steps_text(steps: list, most: int = 12) -> str:
     if len(steps) <= most:
         return ", ".join(map(str, steps)) or "none"
     return f"{', '.join(map(str, steps[:most // 2]))}, ..., {', '.join(map(str, steps[-most // 2:]))}"
-
-
-def _refuse_if_written(root: str) -> None:
-    """Raise `CheckpointLockedError` where `lock.acquire` would (a live process holds the writer lock
-    of `root`), without taking the lock: for ``--dry-run``, which changes nothing."""
-    from .errors import CheckpointLockedError
-    path = os.path.join(root, lock.LOCK_NAME)
-    owner = lock._owner(path)  # noqa: SLF001 - the lock's own reading and liveness rule
-    if not owner:   # no lock, or one without a readable owner (acquire takes such a one over)
-        return
-    host, pid = owner.get("host"), owner.get("pid")
-    if host == socket.gethostname() and isinstance(pid, int) and not lock._alive(pid):  # noqa: SLF001
-        return   # stale: its owner died; gc would take it over
-    since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(owner.get("time", 0)))
-    raise CheckpointLockedError(
-        f"{root} is being written by another process (host {host}, pid {pid}, since {since}): gc would be "
-        f"refused, so this dry run lists nothing (its steps and partial saves are that process's to change). "
-        f"Stop that process first, or delete {path} if it is gone.")
 
 
 def _damaged_kept(store, policies, infos) -> dict:

@@ -27,7 +27,7 @@ import time
 
 from .errors import CheckpointError, CheckpointLockedError, space_hint
 
-__all__ = ["acquire", "check", "release", "LOCK_NAME"]
+__all__ = ["acquire", "check", "check_free", "release", "LOCK_NAME"]
 
 LOCK_NAME = ".ckpt_callbacks.lock"
 _UNREADABLE_S = 2.0   # a lock file without a readable owner, last written this long ago, is stale
@@ -118,23 +118,42 @@ def acquire(root: str) -> None:
         except ValueError:
             owner = {}
         owner = owner if isinstance(owner, dict) else {}
-        host, pid = owner.get("host"), owner.get("pid")
         if _ours(owner):
             _HELD.add(os.path.realpath(root))   # left by an earlier manager of ours that was never closed
             return
         if not owner and time.time() - st.st_mtime < _UNREADABLE_S:
             time.sleep(0.05)   # being written by an `O_EXCL` writer (no hard links) right now
             continue
-        if not owner or (host == me["host"] and isinstance(pid, int) and not _alive(pid)):
+        if not owner or _dead(owner):
             # stale: its owner died (or it has had no owner for a while: a writer of an older
             # version of this package killed between creating and writing it)
             _take_over(root, path, st, data)
             continue
-        raise CheckpointLockedError(
-            f"{root} is being written by another process (host {host}, pid {pid}, since "
-            f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(owner.get('time', 0)))}). "
-            f"Use another directory, stop that process, or delete {path} if it is gone.")
+        raise _held(root, path, owner)
     raise CheckpointLockedError(f"could not take the lock {path}")
+
+
+def check_free(root: str) -> None:
+    """Raise `CheckpointLockedError` where `acquire` would (a live process holds the lock of
+    `root`), without taking the lock: for a reader that must not act beside a writer
+    (``gc --dry-run``). A lock without a readable owner, or of a dead process, `acquire` takes over."""
+    path = os.path.join(root, LOCK_NAME)
+    owner = _owner(path)
+    if owner and not _ours(owner) and not _dead(owner):
+        raise _held(root, path, owner)
+
+
+def _dead(owner: dict) -> bool:
+    """Whether the lock's owner is a process of this host that is gone."""
+    pid = owner.get("pid")
+    return owner.get("host") == socket.gethostname() and isinstance(pid, int) and not _alive(pid)
+
+
+def _held(root: str, path: str, owner: dict) -> CheckpointLockedError:
+    since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(owner.get("time", 0)))
+    return CheckpointLockedError(
+        f"{root} is being written by another process (host {owner.get('host')}, pid {owner.get('pid')}, since "
+        f"{since}). Use another directory, stop that process, or delete {path} if it is gone.")
 
 
 def _take_over(root: str, path: str, st: os.stat_result, data: bytes) -> None:
