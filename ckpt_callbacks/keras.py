@@ -71,6 +71,7 @@ from .keras_data import ResumableDataset
 from .keras_load import load_weights
 from .manager import CheckpointManager
 from .retention import KeepBest, KeepLast, as_policies
+from .storage import open_store
 
 __all__ = ["AsyncCheckpoint", "ResumableDataset", "load_weights"]
 
@@ -94,8 +95,10 @@ def _close_manager(manager: CheckpointManager, raise_errors: bool) -> None:
 
 
 def _dir_key(directory) -> str:
-    d = os.fspath(directory)
-    return d if "://" in d else os.path.realpath(d)
+    """One key per checkpoint directory however it is written (``s3://b/run`` and ``s3://b/run/``,
+    ``file:///x/run`` and ``/x/run``): the one `_OPEN` entry of each."""
+    store = open_store(os.fspath(directory))   # (opens nothing: a URL is parsed, a path resolved below)
+    return os.path.realpath(store.root) if store.local else store.url
 
 
 _RAN_OUT = "Your input ran out of data"

@@ -247,6 +247,20 @@ def test_a_fit_that_raises_never_leaves_the_directory_locked_for_the_next_callba
     _model().fit(x, y, batch_size=16, epochs=7, verbose=0, callbacks=[cb])
     assert cb.resumed_step == 24 and cb.manager.latest_step() == 28 and held[1]._closed
 
+    # the same directory written another way (a file:// URL, a trailing slash) is the same one:
+    # the manager left open is closed, not refused as a lock that another manager holds
+    left = abandon(8)
+    cb = AsyncCheckpoint("file://" + ckdir + "/")
+    _model().fit(x, y, batch_size=16, epochs=9, verbose=0, callbacks=[cb])
+    assert cb.resumed_step == 32 and cb.manager.latest_step() == 36 and left.manager._closed
+
+
+def test_one_directory_written_two_ways_is_one_directory_to_the_callbacks(tmp_path):
+    from ckpt_callbacks.keras import _dir_key
+    assert _dir_key("s3://b/run") == _dir_key("s3://b/run/") != _dir_key("s3://b/run2")
+    assert _dir_key("gs://b/run/") == _dir_key("gs://b/run") != _dir_key("s3://b/run")
+    assert _dir_key(tmp_path / "run") == _dir_key(f"file://{tmp_path}/run/") == _dir_key(f"{tmp_path}/x/../run")
+
 
 
 def test_two_async_checkpoints_in_one_fit_are_refused_before_the_second_opens_anything(ckdir):
