@@ -58,15 +58,20 @@ def _nested(items) -> dict:
     return out
 
 
-def _as_saved(mngr, step, plan: list) -> list:
-    """`plan` with each weight read from the group it was saved in: a variable whose trainable
-    flag changed since (``model.trainable = False`` for inference or feature extraction, a frozen
-    base for fine-tuning) is the same variable; only the optimizer cares which ones train."""
-    at = mngr.latest_step() if step is None else step
+def _saved_leaves(mngr, at) -> list | None:
+    """The manifest's leaf records of step `at`; None where there is no such step or it cannot be
+    read (the restore then raises what is wrong: no such step, a bad step, damage)."""
     try:
-        leaves = read_manifest(mngr.store, at)["leaves"] if at is not None else []
-    except (CheckpointError, ValueError, TypeError):   # (the restore raises what is wrong: no such step, a bad step)
-        return plan
+        return read_manifest(mngr.store, at)["leaves"] if at is not None else None
+    except (CheckpointError, ValueError, TypeError):
+        return None
+
+
+def _as_saved(leaves: list, plan: list) -> list:
+    """`plan` with each weight read from the group it was saved in (`leaves`: the step's manifest
+    records): a variable whose trainable flag changed since (``model.trainable = False`` for
+    inference or feature extraction, a frozen base for fine-tuning) is the same variable; only
+    the optimizer cares which ones train."""
     saved: dict = {}
     for r in leaves:
         keys = [k for _, k in r["p"]]
@@ -76,12 +81,13 @@ def _as_saved(mngr, step, plan: list) -> list:
             for v, g, p in plan]
 
 
-def _check_no_variable_left_out(mngr, step: int, target: dict, name: str, groups: dict) -> None:
-    """The restore left out the saved leaves the target lacks (the optimizer's, the metrics', the
-    run's progress); a saved variable of a loaded group that the model lacks means another model."""
+def _check_no_variable_left_out(mngr, step: int, leaves: list, target: dict, name: str, groups: dict) -> None:
+    """The restore left out the saved leaves (`leaves`: step `step`'s manifest records) the target
+    lacks (the optimizer's, the metrics', the run's progress); a saved variable of a loaded group
+    that the model lacks means another model."""
     have = {tuple(map(tuple, p)) for p in treepath.flatten(target).paths}
     heads = [(("d", "model"), ("d", g)) for g in groups]
-    extra = [tuple(map(tuple, r["p"])) for r in read_manifest(mngr.store, step)["leaves"]]
+    extra = [tuple(map(tuple, r["p"])) for r in leaves]
     extra = [p for p in extra if p[:2] in heads and p not in have]
     if extra:
         lines = "\n".join(f"  {treepath.keystr(p)}" for p in extra[:50])
@@ -142,7 +148,9 @@ def load_weights(model, directory, step: int | None = None, *, optimizer: bool =
         plan += [(v, "optimizer_variables", OPTIMIZER + v.path[len(opt.name):] if v.path.startswith(prefix)
                   else v.path) for v in opt.variables]
     with CheckpointManager(directory, read_only=True) as mngr:
-        plan = _as_saved(mngr, step, plan)
+        at = mngr.latest_step() if step is None else step
+        leaves = _saved_leaves(mngr, at)   # read once: for the plan, and for the check after the restore
+        plan = _as_saved(leaves or [], plan)
         groups = dict.fromkeys(_WEIGHTS + (("optimizer_variables",) if optimizer else ()))
         target = {"model": {g: _nested([(p, v) for v, vg, p in plan if vg == g]) for g in groups}}
         try:
@@ -152,7 +160,9 @@ def load_weights(model, directory, step: int | None = None, *, optimizer: bool =
                            "build the model of the run that saved (the same layer names and shapes), or restore "
                            "with cc.CheckpointManager(...).restore(target=None) and pick what you need.") from None
         step = mngr.restored_step
-        _check_no_variable_left_out(mngr, step, target, model.name, groups)
+        if leaves is None or step != at:   # (another step than the one listed: a writer's retention meanwhile)
+            leaves = read_manifest(mngr.store, step)["leaves"]
+        _check_no_variable_left_out(mngr, step, leaves, target, model.name, groups)
     flat = {g: flatten(tree["model"][g]) for g in groups}
     values = [(v, flat[g][p]) for v, g, p in plan]   # (every one: the restore was strict about the target)
     for v, value in values:
