@@ -28,8 +28,8 @@ from . import layout
 from .errors import CorruptCheckpointError, IncompatibleCheckpointError
 
 __all__ = ["FORMAT_VERSION", "MANIFEST", "step_name", "parse_step_name", "pack_manifest",
-           "unpack_manifest", "pack_bins", "bin_entries", "chunk_key", "crc32c", "storage_dtype", "logical_dtype", "dtype_name",
-           "dtype_names"]
+           "unpack_manifest", "pack_bins", "bin_entries", "chunk_key", "chunk_nbytes", "crc32c", "storage_dtype",
+           "logical_dtype", "dtype_name", "dtype_names"]
 
 FORMAT_VERSION = 1
 MAGIC = "ckpt_callbacks"
@@ -104,6 +104,12 @@ def storage_dtype(name: str) -> str:
     if name in _NATIVE:
         return name
     return "uint%d" % (8 * logical_dtype(name).itemsize)
+
+
+def chunk_nbytes(rec: dict) -> int:
+    """The data bytes of one chunk of array leaf `rec` (a manifest record), as stored: a chunk
+    file holds them, then their 4-byte CRC-32C."""
+    return math.prod(rec["ch"]) * np.dtype(storage_dtype(rec["dt"])).itemsize
 
 
 def chunk_key(idx) -> str:

@@ -232,7 +232,7 @@ class leaf_reader:
             base = f"{self.base}/{rec['z']}/"
             keys = _chunk_keys([k[len(base):].encode() for k in self.store._list(base + "c")])
         need = layout.chunk_count(rec["sh"], rec["ch"])
-        chunk_bytes = math.prod(rec["ch"]) * np.dtype(fmt.storage_dtype(rec["dt"])).itemsize
+        chunk_bytes = fmt.chunk_nbytes(rec)
         if len(keys) != need or (stored is not None and stored < need * chunk_bytes):
             raise CorruptCheckpointError(
                 f"{where}: {rec['z']} declares {rec['sh']} ({need} chunks, {need * chunk_bytes} bytes) but holds "
@@ -282,7 +282,7 @@ class leaf_reader:
     def _read_crcs(arr, rec: dict, idxs: list) -> list:
         if not rec.get("cc"):
             return []
-        at = math.prod(rec["ch"]) * np.dtype(fmt.storage_dtype(rec["dt"])).itemsize
+        at = fmt.chunk_nbytes(rec)
         return [(idx, arr.kvstore.read(fmt.chunk_key(idx), byte_range=slice(at, at + 4))) for idx in dict.fromkeys(idxs)]
 
     def _check_crcs(self, reads: list, rec: dict, where: str) -> None:

@@ -168,7 +168,7 @@ def _bad_chunk_files(root: str, rec: dict, most: int = 8) -> str:
     """The chunk files of array leaf `rec` (local directory `root`) that are missing or not of a
     chunk's size (its bytes and 4 of CRC), as text to add to a problem ("" when all are there):
     the restore's checks refuse such an array as a whole, before reading any chunk."""
-    size = math.prod(rec["ch"]) * np.dtype(fmt.storage_dtype(rec["dt"])).itemsize + 4
+    size = fmt.chunk_nbytes(rec) + 4
     bad = []
     for idx, _ in _chunks(rec["sh"], rec["ch"]):
         key = fmt.chunk_key(idx)
