@@ -11,10 +11,13 @@ Example::
 Who calls what: `ckpt_callbacks.cli` dispatches ``bench ...`` to `main(argv)` (the exit status is
 returned). `main` runs, for each workload and storage (``--storage tmpfs,disk``), one child
 process (``python -m ckpt_callbacks.bench --child ...``) that sets ``jax_num_cpu_devices=8``
-before any device use and runs `bench_workloads.WORKLOADS[name]`; a child per cell keeps one
+before any device use (but for ``stall``, which measures a save's stall on the accelerator JAX
+finds by default, and reports itself skipped where there is none: `bench_stall`) and runs
+`bench_workloads.WORKLOADS[name]`; a child per cell keeps one
 cell's allocations and caches out of the next one's memory and timings. ``--in-process`` runs
 them in this process instead (8 CPU devices are set up here, or the bench re-executes itself in a
-subprocess if JAX already started with another device count). Then the rows are rendered as a
+subprocess if JAX already started with another device count; ``stall`` then finds no
+accelerator). Then the rows are rendered as a
 table (or ``--json``), with ratios of this package to each peer and a verdict on every target of
 issue #10. Workloads and what limits them: docs/benchmarks.md.
 """
@@ -36,7 +39,7 @@ from .bench_report import ratios, render, targets
 __all__ = ["main", "targets", "render"]
 
 MiB = 1 << 20
-WORKLOAD_NAMES = ("big", "small", "reshard", "memory", "fit")
+WORKLOAD_NAMES = ("big", "small", "reshard", "memory", "fit", "stall")
 PEER_NAMES = ("ckpt_callbacks", "orbax", "flax-msgpack", "np.savez", "raw")
 ENGINE = "ckpt_callbacks"
 
@@ -110,7 +113,7 @@ def _context(args, root: str, storage: str):
 
 def _run_child(args) -> int:
     workload, storage, root, out = args.child
-    if not _ensure_devices():
+    if workload != "stall" and not _ensure_devices():
         sys.stderr.write("ckpt-callbacks bench: the child needs 8 CPU devices (JAX started already)\n")
         return 2
     from .bench_workloads import WORKLOADS
@@ -122,8 +125,8 @@ def _run_child(args) -> int:
 
 
 def _child_env(workload: str) -> dict:
-    """The environment of a cell's child process."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    """The environment of a cell's child process (``stall``: JAX's default platforms)."""
+    env = dict(os.environ) if workload == "stall" else dict(os.environ, JAX_PLATFORMS="cpu")
     if workload != "fit":
         # a fixed mmap threshold: glibc otherwise raises it after large frees and keeps freed
         # buffers in the heap, so a later save's RSS peak would hide inside an earlier one's.

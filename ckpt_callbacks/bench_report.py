@@ -108,6 +108,11 @@ def targets(rows, scale: float = 1.0) -> list:
         for r in rows:  # a cell killed by --cell-timeout: whatever it was measuring never finished
             if r["storage"] == st and str(r.get("skipped", "")).startswith("did not finish"):
                 out.append(_t(f"{r['workload']}: every measured save finishes", st, None, None, False, ""))
+        e, bw = _find(rows, "stall", st, ENGINE), _find(rows, "stall", st, "d2h", "pinned_host")
+        if e:   # 1.25 x bytes / pinned bandwidth + 50 ms = 1.25 x the pinned transfer's time + 50 ms
+            goal = 1.25 * bw["seconds"] + 0.05 if bw else None
+            out.append(_t("stall: <= 1.25x bytes / pinned device-to-host bandwidth + 50 ms", st, e["stall_s"],
+                          goal, None if goal is None else e["stall_s"] <= goal))
         e = _find(rows, "fit", st, ENGINE)
         if e and e.get("overhead") is not None:
             out.append(_t("fit: overhead <= 10%", st, 100 * e["overhead"], 10.0, e["overhead"] <= 0.10, "%"))
@@ -187,6 +192,23 @@ def render(result) -> str:
             if lines:
                 parts.append(_table(["peer", "restore onto", "restore", "x same", "read MiB", "needed MiB",
                                      "read/needed", "n"], lines))
+        elif wl == "stall":
+            for r in cell:
+                if r["peer"] == "d2h":
+                    parts.append(f"device-to-host copy of the tree into {r['case']} memory: {r['seconds']:.4f} s, "
+                                 f"{r['gbps']:.1f} GB/s ({r['devices']} x {r['device']})")
+            o = _find(rows, wl, st, "orbax")
+            lines = [[r["peer"], _f(r["blocking_s"], "{:.4f}"), _f(r["stall_s"], "{:+.4f}"),
+                      _f(r.get("round_stall_s"), "{:+.4f}"), _f(r["durable_s"]),
+                      _f(r["restore_s"]), r["steps"], _f(_ms(r["step_s"]), "{:.2f}"),
+                      _f(_div(r["stall_s"], o and o["stall_s"]), "{:.2f}"), "yes" if r["correct"] else "NO",
+                      r.get("repeats", "")] for r in cell if r["peer"] != "d2h"]
+            if lines:
+                parts.append("(stall: a loop of donating training steps with a save before its first step, "
+                             "less the same loop alone, best against best; median/round: median of each "
+                             "round's difference)")
+                parts.append(_table(["peer", "blocking", "stall", "median/round", "durable", "restore", "steps", "step ms",
+                                     "stall/Orbax's", "correct", "n"], lines))
         elif wl == "fit":
             lines = [[r["peer"], _f(r["fit_s"]), _pct(r.get("overhead")), _pct(r.get("round_overhead")),
                       _f(r.get("cpu_s")), _f(_ms(r.get("cpu_overhead")), "{:+.0f}"), r.get("repeats", "")] for r in cell]

@@ -66,10 +66,11 @@ def _side(scale: float, full: int = 4096) -> int:
     return max(8, int(round(full * math.sqrt(scale) / 8)) * 8)
 
 
-def big_tree(scale: float, count: int = 16, full: int = 4096):
-    """`count` float32 n x n arrays sharded over a 4x2 mesh (16 x 4096^2 = 1 GiB at scale 1)."""
+def big_tree(scale: float, count: int = 16, full: int = 4096, mesh=None):
+    """`count` float32 n x n arrays sharded over a 4x2 mesh, or `mesh` (axes x, y) (16 x 4096^2 =
+    1 GiB at scale 1)."""
     n = _side(scale, full)
-    sharding = jax.sharding.NamedSharding(_mesh((4, 2)), jax.sharding.PartitionSpec("x", "y"))
+    sharding = jax.sharding.NamedSharding(mesh or _mesh((4, 2)), jax.sharding.PartitionSpec("x", "y"))
     gen = jax.jit(lambda k: jax.random.normal(k, (n, n), np.float32), out_shardings=sharding)
     key = jax.random.key(0)
     return jax.block_until_ready({f"w{i:02d}": gen(jax.random.fold_in(key, i)) for i in range(count)})
@@ -333,4 +334,10 @@ def run_fit(ctx: Context):
     yield from bench_fit.run(ctx, _row)
 
 
-WORKLOADS = {"big": run_big, "small": run_small, "reshard": run_reshard, "memory": run_memory, "fit": run_fit}
+def run_stall(ctx: Context):
+    from . import bench_stall
+    yield from bench_stall.run(ctx, _row)
+
+
+WORKLOADS = {"big": run_big, "small": run_small, "reshard": run_reshard, "memory": run_memory, "fit": run_fit,
+             "stall": run_stall}

@@ -452,6 +452,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     """Entry point of the `ckpt-callbacks` console script; returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "bench":   # its cells' processes pick their platform (`stall`: the accelerator)
+        return cmd_bench(argv[1:], sys.stdout)
     saved = os.environ.get("JAX_PLATFORMS")
     os.environ["JAX_PLATFORMS"] = "cpu"   # never touch an accelerator from the CLI
     try:

@@ -293,3 +293,69 @@ def test_the_table_lists_this_package_first_whatever_order_the_peers_finished_in
     text = render({"rows": [row("orbax", 140.0), row("ckpt_callbacks", 0.2), row("np.savez", 0.3)]})
     lines = [ln.split()[0] for ln in text.splitlines() if ln.split()[:1] in (["orbax"], ["ckpt_callbacks"], ["np.savez"])]
     assert lines[:3] == ["ckpt_callbacks", "orbax", "np.savez"]
+
+
+@pytest.mark.parametrize("ndev", [8, 1])
+def test_stall_times_a_donating_training_loop_with_and_without_a_save(tmp_path, devices, ndev):
+    """The accelerator workload, run on the CPU devices it is handed: the device-to-host copies
+    (pinned and pageable), then per peer a training loop of donating steps alone and with a save
+    before its first step, in turns; the values restored equal those the first step donated."""
+    from ckpt_callbacks import bench_stall
+    from ckpt_callbacks import bench_workloads as bw
+    said = []
+    ctx = bw.Context(root=str(tmp_path), storage="tmpfs", scale=0.001, repeats=2, log=said.append)
+    rows = list(bench_stall.run(ctx, bw._row, devices=devices[:ndev]))
+    assert [(r["peer"], r["case"]) for r in rows[:2]] == [("d2h", "pinned_host"), ("d2h", "pageable")]
+    for r in rows[:2]:
+        assert r["seconds"] > 0 and r["gbps"] == pytest.approx(r["bytes"] / r["seconds"] / 1e9)
+        assert r["repeats"] == 2 and r["devices"] == ndev and r["platform"] == "cpu"
+    saves = {r["peer"]: r for r in rows[2:]}
+    assert sorted(saves) == ["ckpt_callbacks", "orbax"]
+    for r in saves.values():
+        assert not r.get("skipped") and r["correct"] is True and r["repeats"] == 2
+        assert r["stall_s"] == pytest.approx(r["loop_s"] - r["base_s"])
+        paired = sorted(s["loop_s"] - s["base_s"] for s in r["samples"])
+        assert paired[0] - 1e-3 <= r["round_stall_s"] <= paired[-1] + 1e-3
+        assert 0 < r["blocking_s"] <= r["durable_s"] and r["restore_s"] > 0
+        assert r["steps"] >= 5 and r["case"] == f"{r['steps']} steps" and r["step_s"] > 0
+        assert r["loop_s"] == pytest.approx(min(s["loop_s"] for s in r["samples"]), abs=1e-4)
+    # untimed warm-up rounds (#0) first, then the peers in turns
+    order = [m.split()[1] for m in said if "#" in m]
+    assert order == ["ckpt_callbacks", "orbax", "ckpt_callbacks", "orbax", "orbax", "ckpt_callbacks"]
+    assert not os.listdir(tmp_path)
+    text = render({"rows": rows, "targets": targets(rows)})
+    assert "into pinned_host memory" in text and "stall/Orbax's" in text
+    assert [t["target"] for t in targets(rows)] == [
+        "stall: <= 1.25x bytes / pinned device-to-host bandwidth + 50 ms"]
+
+
+def test_stall_without_an_accelerator_is_skipped_and_its_child_keeps_jaxs_platforms(tmp_path, monkeypatch):
+    """On CPU alone the workload says so; its child process is not forced onto the CPU (the
+    others are: 8 CPU devices), and the console script leaves the user's JAX_PLATFORMS to it."""
+    from ckpt_callbacks import bench_stall
+    from ckpt_callbacks import bench_workloads as bw
+    rows = list(bench_stall.run(bw.Context(root=str(tmp_path), storage="disk"), bw._row))
+    assert rows == [{"workload": "stall", "storage": "disk", "peer": "ckpt_callbacks", "case": "",
+                     "skipped": "no accelerator: JAX's default backend is cpu"}]
+    monkeypatch.setenv("JAX_PLATFORMS", "cuda,cpu")
+    assert bench._child_env("stall")["JAX_PLATFORMS"] == "cuda,cpu"
+    assert bench._child_env("big")["JAX_PLATFORMS"] == "cpu"
+    monkeypatch.delenv("JAX_PLATFORMS")
+    assert "JAX_PLATFORMS" not in bench._child_env("stall")
+    seen = []
+    monkeypatch.setattr(bench, "main", lambda argv: seen.append((argv, os.environ.get("JAX_PLATFORMS"))) or 0)
+    from ckpt_callbacks import cli
+    assert cli.main(["bench", "--workloads", "stall"]) == 0
+    assert seen == [(["--workloads", "stall"], None)]
+
+
+def test_stall_target_is_stated_against_the_pinned_transfer():
+    rows = [_row("stall", "tmpfs", "d2h", "pinned_host", seconds=0.02, gbps=53.7, bytes=2**30),
+            _row("stall", "tmpfs", "ckpt_callbacks", "250 steps", stall_s=0.074, bytes=2**30),
+            _row("stall", "disk", "d2h", "pinned_host", seconds=0.02, gbps=53.7, bytes=2**30),
+            _row("stall", "disk", "ckpt_callbacks", "250 steps", stall_s=0.076, bytes=2**30),
+            _row("stall", "dram", "d2h", "pageable", seconds=0.5, gbps=2.1, bytes=2**30),
+            _row("stall", "dram", "ckpt_callbacks", "250 steps", stall_s=0.01, bytes=2**30)]
+    got = [(t["storage"], t["goal"], t["met"]) for t in targets(rows)]
+    assert got == [("tmpfs", pytest.approx(0.075), True), ("disk", pytest.approx(0.075), False),
+                   ("dram", None, None)]   # no pinned transfer measured: no verdict
