@@ -28,6 +28,7 @@ import threading
 import numpy as np
 
 from . import chunkread
+from .storage import threads_refused
 
 __all__ = ["ByteBudget", "HostPool", "host_empty", "EAGER_COPY_MAX_BYTES"]
 
@@ -121,7 +122,7 @@ class HostPool:
         malloc mapped them, unmapping 30 MiB costs ~7 ms here): the manager's `close` need not wait."""
         bufs = [b for free in self._free.values() for b in free] + self._lent
         self._free, self._lent = {}, []
-        if background and bufs:
+        if background and bufs and not threads_refused():   # (at exit on Python 3.12+: freed here)
             threading.Thread(target=bufs.clear, name="ckpt_callbacks-free", daemon=True).start()
 
 

@@ -53,7 +53,7 @@ from .checks import check_flag, check_metrics, check_save_options, check_step, c
 from .errors import (CheckpointError, CheckpointNotFoundError, ConfigError, CorruptCheckpointError,
                      StorageUnavailableError)
 from .retention import StepInfo, as_int, as_policies, best_policy
-from .storage import open_store
+from .storage import open_store, threads_refused
 from .localwrite import Workers, WriteThrough
 from .writing import SaveStats, write_and_commit
 
@@ -270,7 +270,12 @@ class CheckpointManager:
             return False
         if self.coord.process_index == 0:
             agreement.warn_unranked(self, step, metrics)
-        budget = hostmem.ByteBudget(self.max_staging_bytes)
+        # At interpreter exit on Python 3.12+ no thread can be started (a non-daemon thread saving
+        # after the main thread returned): this save then runs on the caller's thread, whole, as
+        # with async_save=False (its copies first: a staging budget would wait for a writer that
+        # runs only after them, so it does not apply)
+        inline = threads_refused()
+        budget = hostmem.ByteBudget(None if inline else self.max_staging_bytes)
         items: queue.SimpleQueue = queue.SimpleQueue()
         save_time = self.clock()
         extra_info = {"time": save_time}
@@ -322,20 +327,25 @@ class CheckpointManager:
         # then gets the abort all the same, or, where it never began, its clean-up runs here)
         self._thread = t = _writer(run, f"ckpt_callbacks-save-{step}")
         try:
-            t.start()
+            if inline:
+                self._thread = None
+            else:
+                t.start()
             through = WriteThrough(self.store, step, token, snap, self._workers) if through_ok else None
             snapshot.copy(snap, items.put, budget, self._pool, through)
         except BaseException as e:
             items.put(("abort", e))
             items.put(None)
             self._thread = None
-            if _began(t):
+            if not inline and _began(t):
                 _join(t)   # it takes the abort and cleans up as usual
             else:
                 run()
             self._error = None
             raise
-        if not self.async_save:
+        if inline:
+            run()
+        if not self.async_save or inline:
             self._wait()
         return True
 

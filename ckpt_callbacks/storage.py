@@ -39,6 +39,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
+import sys
+import threading
 import urllib.parse
 
 from .errors import CheckpointError, ConfigError, StorageUnavailableError, storage_unavailable
@@ -170,13 +172,23 @@ class Store:
         pass
 
 
+def threads_refused() -> bool:
+    """Whether this interpreter refuses to start threads: from Python 3.12 on, once it began to
+    exit ("can't create new thread at interpreter shutdown"; `threading` sets ``_SHUTTING_DOWN``
+    first, before it runs its exit hooks and joins the non-daemon threads, which may still be
+    saving or restoring, as may a save in flight that the exit hook closes)."""
+    return sys.version_info >= (3, 12) and bool(getattr(threading, "_SHUTTING_DOWN", False))
+
+
 def submit(pool, fn, *args) -> concurrent.futures.Future:
-    """``pool.submit(fn, *args)``, or where the pool refuses the task before queueing it (at
-    interpreter exit `concurrent.futures` stops every pool, while a non-daemon thread may still
-    be saving or restoring) `fn` run on this thread, its outcome in a done future. Any other
-    failure is raised: a pool that could not start a thread has queued the task already, and
-    running it here as well would run it twice."""
+    """``pool.submit(fn, *args)``, or `fn` run on this thread, its outcome in a done future, where
+    the pool would not run it: at interpreter exit `concurrent.futures` stops every pool (while a
+    non-daemon thread may still be saving or restoring), and from Python 3.12 on no thread can be
+    started then (`threads_refused`). Any other failure is raised: a pool that could not start a
+    thread has queued the task already, and running it here as well would run it twice."""
     try:
+        if threads_refused():
+            raise RuntimeError("cannot schedule new futures: the interpreter is exiting")
         return pool.submit(fn, *args)
     except RuntimeError as e:
         if not str(e).startswith("cannot schedule new futures"):

@@ -9,6 +9,7 @@ import sys
 import threading
 import time
 
+import jax
 import numpy as np
 import pytest
 
@@ -1167,3 +1168,34 @@ def test_a_directory_removed_while_its_manager_is_open_is_not_written_again(ckdi
     assert cc.CheckpointManager(ckdir, read_only=True).all_steps() == ([] if how == "removed" else [100])
     with cc.CheckpointManager(ckdir) as m:   # a new manager takes it
         m.save(2, tree(2))
+
+
+def test_where_no_thread_can_start_a_save_runs_whole_on_the_callers_thread(ckdir, monkeypatch):
+    """From Python 3.12 on, an exiting interpreter starts no thread ("can't create new thread at
+    interpreter shutdown"): a save from a non-daemon thread still running then, or the writer of
+    a save in flight that the exit hook closes, failed where it started its writer or submitted
+    to a pool that had no thread yet. Then (`storage.threads_refused`) the save runs whole on
+    the caller's thread (a staging budget, which would wait for the writer, does not apply), the
+    pools' tasks too, and a restore reads on the caller's thread; the step is committed when
+    `save` returns."""
+    from ckpt_callbacks import hostmem, storage
+    from ckpt_callbacks import manager as mm
+    m = cc.CheckpointManager(ckdir, retention=cc.KeepLast(1), max_staging_bytes=64 << 10)
+    m.save(1, {"w": np.zeros(300_000, np.float32)})
+    m.wait_until_finished()
+    for mod in (mm, storage, hostmem):
+        monkeypatch.setattr(mod, "threads_refused", lambda: True)
+    started = []
+    monkeypatch.setattr(threading.Thread, "start", lambda self: started.append(self.name) or (_ for _ in ()).throw(
+        RuntimeError("can't create new thread at interpreter shutdown")))
+    tree = {"w": np.arange(300_000, dtype=np.float32), "v": np.arange(5), "j": jax.numpy.arange(1000.0),
+            "blob": {f"s{i}": np.full(100, i) for i in range(20)}}
+    assert m.save(2, tree) is True
+    assert m.all_steps() == [2]       # committed, and step 1 deleted, before save returned
+    assert_tree_equal(m.restore(2), tree)
+    m.close()
+    assert started == []
+    monkeypatch.undo()
+    with cc.CheckpointManager(ckdir, read_only=True) as r:
+        assert r.all_steps() == [2]
+        assert_tree_equal(r.restore(2), tree)
