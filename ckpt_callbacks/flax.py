@@ -83,7 +83,7 @@ from .errors import (CheckpointError, CheckpointNotFoundError, CheckpointSaveErr
                      IncompatibleCheckpointError)
 from .manager import CheckpointManager
 from .shutdown import close_on_exit
-from .preemption import Preempted, PreemptionWatcher
+from .preemption import Preempted, PreemptionWatcher, checked_on_preemption, checked_signals
 from .retention import as_int
 
 __all__ = ["CheckpointHook", "Preempted"]
@@ -187,24 +187,6 @@ def _positive_or_none(name, v, kind=int):
     return int(n) if kind is int else n
 
 
-def _checked_signals(signals) -> tuple:
-    """`signals` as a tuple of signals that a handler can catch (not SIGKILL, SIGSTOP or a number
-    that names no signal): checked before anything is installed or opened."""
-    try:
-        if isinstance(signals, (str, bytes, int)):
-            raise TypeError
-        out = tuple(dict.fromkeys(signals))   # each once (`PreemptionWatcher`)
-    except TypeError:
-        raise ConfigError(f"preemption_signals must be a collection of signals (e.g. (signal.SIGTERM,), or () "
-                          f"for none), got {signals!r}") from None
-    uncatchable = {getattr(signal, n) for n in ("SIGKILL", "SIGSTOP") if hasattr(signal, n)}
-    for s in out:
-        if isinstance(s, bool) or not isinstance(s, int) or s not in signal.valid_signals() or s in uncatchable:
-            raise ConfigError(f"preemption_signals: {s!r} is not a signal a handler can catch (give signal.SIGTERM, "
-                              f"signal.SIGUSR1, ...; SIGKILL and SIGSTOP cannot be caught)")
-    return out
-
-
 class CheckpointHook:
     """Saves a training loop's state on a schedule; resumes it.
 
@@ -274,12 +256,10 @@ class CheckpointHook:
                     f"or every_secs=, or leave all three unset to save every step.")
             if on_steps is None:   # a manager passed in says how often: its save_interval_steps
                 self.every_steps = as_int(getattr(directory_or_manager, "save_interval_steps", 1))
-        if on_preemption not in ("flag", "raise"):
-            raise ConfigError(f"on_preemption must be 'flag' or 'raise', got {on_preemption!r}")
-        self.on_preemption = on_preemption
+        self.on_preemption = checked_on_preemption(on_preemption, ("flag", "raise"))
         self.save_on_eval = save_on_eval
         self.data_iterator = _checked_iterator(data_iterator)
-        preemption_signals = _checked_signals(preemption_signals)
+        preemption_signals = checked_signals(preemption_signals)
         self.clock = clock
         if timeout_s is not None:
             check_timeout(timeout_s)
