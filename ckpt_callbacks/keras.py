@@ -36,6 +36,11 @@ Who calls what, in which order (Keras calls the hooks; on every process under mu
     this one run their `on_epoch_end` after the snapshot.
   * `on_train_end`: waits for the last save, applies retention, closes the manager; a background
     failure is raised here, never swallowed.
+  * Preemption (SIGTERM by default), from `on_train_begin` to the end of `fit`: the handler only
+    records the signal; the next step boundary on `fit`'s thread (the next batch's begin, a batch
+    end that Keras calls in line, the epoch's end) saves the step reached, waits for its commit and
+    stops `fit` or raises `Preempted`; with several processes all agree on it at every boundary
+    (`ckpt_callbacks.keras_preempt`).
 
 To load a checkpoint's weights into a model without `fit` (evaluation, inference, export):
 `load_weights` (`ckpt_callbacks.keras_load`).
@@ -56,6 +61,7 @@ import logging
 import math
 import numbers
 import os
+import signal
 import threading
 import time
 import warnings
@@ -64,16 +70,17 @@ from collections.abc import Mapping
 
 import keras
 
-from . import keras_policy, keras_resume, keras_state
+from . import keras_policy, keras_preempt, keras_resume, keras_state
 from .checks import check_flag, check_save_options, check_timeout
 from .errors import ConfigError
 from .keras_data import ResumableDataset
 from .keras_load import load_weights
 from .manager import CheckpointManager
+from .preemption import Preempted, checked_on_preemption, checked_signals
 from .retention import KeepBest, KeepLast, as_policies
 from .storage import open_store
 
-__all__ = ["AsyncCheckpoint", "ResumableDataset", "load_weights"]
+__all__ = ["AsyncCheckpoint", "Preempted", "ResumableDataset", "load_weights"]
 
 log = logging.getLogger("ckpt_callbacks")
 
@@ -159,6 +166,16 @@ class AsyncCheckpoint(keras.callbacks.Callback):
         `CheckpointSaveError` after it. Keep it below half of JAX's heartbeat timeout, which
         otherwise terminates the survivors first, raising nothing (docs/multihost.md).
       verbose: 1 prints a line per resume and per save.
+      preemption_signals: signals that mean "preempted" (default SIGTERM), watched from
+        `on_train_begin` to the end of `fit` (the previous handlers are put back then); ``()``
+        watches none. A collection of signals a handler can catch (not SIGKILL or SIGSTOP).
+      on_preemption: what follows the preemption save, once committed: ``"stop"`` sets
+        ``model.stop_training`` (Keras checks it after a batch: where Keras runs this callback's
+        batch-end hook on a thread of its own, the batch that was about to begin still runs, unsaved,
+        and the epoch's validation runs as for any stop); ``"raise"`` raises `Preempted` from the hook
+        (no batch runs after the save). Either way `preempted` turns True and `preempted_step` names
+        the step committed; the run resumes from it when the same `fit` runs again (mid-epoch: with
+        ``data=``; without it the last step saved before stays the one to resume from, with a warning).
     """
 
     async_safe = True
@@ -167,7 +184,8 @@ class AsyncCheckpoint(keras.callbacks.Callback):
                  initial_value_threshold: float | None = None, retention=None, keep_last: int | None = None,
                  keep_best: int | bool | None = None, resume: bool = True, data=None, async_save: bool = True,
                  max_staging_bytes: int | None = None, verbose: int = 0, fallback: bool = False,
-                 timeout_s: float = 600.0, data_remap=None):
+                 timeout_s: float = 600.0, data_remap=None, preemption_signals=(signal.SIGTERM,),
+                 on_preemption: str = "stop"):
         super().__init__()
         _ALL.add(self)
         if keras.config.backend() != "jax":
@@ -192,6 +210,8 @@ class AsyncCheckpoint(keras.callbacks.Callback):
         check_flag("fallback", fallback)
         check_save_options(async_save, max_staging_bytes)
         check_timeout(timeout_s)
+        self.preemption_signals = checked_signals(preemption_signals)
+        self.on_preemption = checked_on_preemption(on_preemption, ("stop", "raise"))
         if keep_best is True:
             keep_best = 1
         if keep_best is False:
@@ -251,6 +271,9 @@ class AsyncCheckpoint(keras.callbacks.Callback):
         self._yields = self._yields_mark = 0   # items batches() generators gave; as of the last hook
         self.fallback = fallback
         self._replace: set[int] = set()   # damaged steps a fallback went past: saved anew when reached
+        self.preempted, self.preempted_step = False, None   # the last fit's preemption (`keras_preempt`)
+        self._preemption: keras_preempt.FitPreemption | None = None
+        self._saved_at = None   # the step of this fit's last save started
 
     # -- set-up -------------------------------------------------------------------------------
     def _state_iterator(self) -> bool:
@@ -309,6 +332,8 @@ class AsyncCheckpoint(keras.callbacks.Callback):
         self._fit_thread = threading.current_thread()
         _OPEN[_dir_key(self.directory)] = (weakref.ref(self), weakref.ref(self.manager), self._fit_thread)
         try:
+            self.preempted, self.preempted_step, self._saved_at = False, None, None
+            self._preemption = keras_preempt.FitPreemption(self)   # (a signal during the restore counts)
             self._resume()
         except BaseException:   # nothing trains: the directory is free again for a fixed model or callback
             self._undo_initial_epoch()
@@ -456,10 +481,10 @@ class AsyncCheckpoint(keras.callbacks.Callback):
                                 "%gs; judging the mid-epoch save by an earlier step's loss", self._global_step,
                                 _HOOK_WAIT_S)
                 loss = self._last_loss
-            if self._skip_nonfinite(loss, f"step {self._global_step} (inside epoch {self._epoch + 1})"):
-                return
-            if self._save(self._epoch, self._batch, metrics=None):
+            if (not self._skip_nonfinite(loss, f"step {self._global_step} (inside epoch {self._epoch + 1})")
+                    and self._save(self._epoch, self._batch, metrics=None)):
                 self._mid_saved = self._global_step
+        self._at_boundary()
 
     def on_train_batch_end(self, batch, logs=None):
         # Off the main thread (async_safe): only records how far the epoch got (and its running loss).
@@ -475,6 +500,13 @@ class AsyncCheckpoint(keras.callbacks.Callback):
                 self._loss_at = ended
                 self._last_loss = float(loss) if isinstance(loss, (int, float)) else None
             self._ended_changed.notify_all()
+        if self.preemption_signals and threading.current_thread() is self._fit_thread and ended != self._epoch_end:
+            self._advance(ended)   # called in line, on fit's thread: a step boundary (not the epoch's last)
+            self._at_boundary()
+
+    def _at_boundary(self, save: bool = True) -> None:
+        if self._preemption is not None:   # (on fit's thread; see keras_preempt)
+            self._preemption.at_boundary(save)
 
     def _advance(self, done: int) -> None:
         """Count the steps of this epoch up to `done` (main thread)."""
@@ -505,6 +537,8 @@ class AsyncCheckpoint(keras.callbacks.Callback):
             self._advance(self._ended)
         if self._batch > self._skip:   # (a resumed epoch with no batch left reads nothing)
             self._check_data_is_read()
+        if self.preempted:   # saved where it was preempted (then Keras may have run one more batch)
+            return
         self._since_save = 0
         metrics = keras_state.numeric_logs(logs)
         self._warn_unrankable(logs, metrics)
@@ -525,6 +559,7 @@ class AsyncCheckpoint(keras.callbacks.Callback):
         partial = (getattr(self.model, "stop_training", False) and self._epoch_end is not None
                    and self._batch < self._epoch_end)
         if partial and self.data is None:
+            self._at_boundary(save=False)
             log.warning("ckpt_callbacks: AsyncCheckpoint: fit() stopped after batch %d of epoch %d's %d; not "
                         "saving it as an ended epoch (a resumed fit() would skip the rest of it); the last "
                         "step saved stays the one a resumed fit() starts from. To keep stopped epochs, pass "
@@ -532,11 +567,12 @@ class AsyncCheckpoint(keras.callbacks.Callback):
                         "restarts from its first batch)", self._batch, epoch + 1, self._epoch_end)
             return
         if self._skip_nonfinite(metrics.get("loss"), f"epoch {epoch + 1}"):
-            return
-        if partial:   # saved where it stopped, as a mid-epoch save is (its logs' val_* measure these weights)
+            pass
+        elif partial:   # saved where it stopped, as a mid-epoch save is (its logs' val_* measure these weights)
             self._save(epoch, self._batch, metrics=metrics, replace=again)
         else:
             self._save(epoch + 1, 0, metrics=metrics, replace=again)
+        self._at_boundary(save=False)
 
     def _warn_unrankable(self, logs, metrics: dict) -> None:
         """Once per fit and metric: the monitor or a metric a KeepBest ranks by is in the logs, but
@@ -570,6 +606,7 @@ class AsyncCheckpoint(keras.callbacks.Callback):
         claim = last[0] if last is not None and keras_resume.same(last[1], keras_resume.state_of(self.data)) else None
         self._undo_initial_epoch()
         self._data_at = None
+        self._at_boundary(save=False)   # (a signal after the last epoch's end: its save is the last)
         self._close(raise_errors=True)
         self._data_at = claim   # only once the step it names is committed
 
@@ -596,6 +633,7 @@ class AsyncCheckpoint(keras.callbacks.Callback):
         self.last_blocking_s = time.perf_counter() - t0
         if started:
             self._replace.discard(self._global_step)
+            self._saved_at = self._global_step
         if started and "data" in host:   # a copy: an iterator may hand out its live state, which moves on
             self._data_saved = (self._global_step, keras_resume.copy_state(host["data"]))
         if started and self.verbose:
@@ -621,7 +659,10 @@ class AsyncCheckpoint(keras.callbacks.Callback):
             ctx.__exit__(None, None, None)
 
     def _close(self, raise_errors: bool) -> None:
-        """Close the manager (kept as `self.manager` for queries such as `best_step()`)."""
+        """Close the manager (kept as `self.manager` for queries such as `best_step()`) and put
+        back the signal handlers this fit's preemption watch replaced."""
+        if self._preemption is not None:
+            self._preemption.close()
         if self.manager is None or not self._open:
             return
         self._open = False

@@ -494,8 +494,9 @@ class _Indexed(keras.utils.PyDataset):
         return x, x
 
 
-def _tapped_model():
-    """A model that records, in order, the batch (its value) each training step ran on."""
+def _tapped_model(seed=None):
+    """A model that records, in order, the batch (its value) each training step ran on (its
+    initial weights drawn from `seed` where given)."""
     seen = []
 
     class Tap(keras.layers.Layer):
@@ -505,6 +506,8 @@ def _tapped_model():
             return t
 
     keras.backend.clear_session()
+    if seed is not None:
+        keras.utils.set_random_seed(seed)
     model = keras.Sequential([keras.Input((1,)), Tap(), keras.layers.Dense(1)])
     model.compile(optimizer="sgd", loss="mse")
     return model, seen
@@ -1197,3 +1200,144 @@ def test_a_misspelt_monitor_is_told_with_the_models_metric_names_and_verbose_say
     model.fit(x, labels, batch_size=16, epochs=1, validation_data=(val[0], vlabels), verbose=0, callbacks=[cb])
     out = capsys.readouterr().out
     assert re.search(r"AsyncCheckpoint: val_loss improved from inf to \d+\.\d{5}\n", out), out
+
+
+# -- preemption -----------------------------------------------------------------------------------
+class _Notice(keras.callbacks.Callback):
+    """Sends this process SIGTERM (a preemption notice) in the n-th batch of the fit, from its
+    batch-begin hook (Keras then still runs AsyncCheckpoint's batch-end hook on a thread of its own)
+    or from its batch-end hook (which makes Keras call every batch-end hook in line, on fit's thread)."""
+
+    def __init__(self, n, hook="begin"):
+        super().__init__()
+        self.n, self.seen = n, 0
+        setattr(self, f"on_train_batch_{hook}", self._tick)
+
+    def _tick(self, batch, logs=None):
+        self.seen += 1
+        if self.seen == self.n:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _preemption_fit(d, callbacks=(), epochs=3, **kw):
+    """A tapped model on a ResumableDataset of 8 batches an epoch: (model, seen, callback)."""
+    model, seen = _tapped_model(seed=0)
+    ds = ResumableDataset(_Indexed(n=8), shuffle_seed=0)
+    cb = AsyncCheckpoint(d, data=ds, **kw)
+    model.fit(ds, epochs=epochs, shuffle=False, verbose=0, callbacks=[c if c != "cb" else cb for c in callbacks])
+    jax.effects_barrier()
+    return model, list(seen), cb
+
+
+@pytest.mark.parametrize("hook", ["begin", "end"])
+def test_sigterm_mid_epoch_saves_the_step_reached_stops_fit_and_the_rerun_resumes_exactly(tmp_path, caplog, hook):
+    """SIGTERM in the 11th batch (epoch 2, batch 3): step 11 is saved off the schedule (epoch ends
+    only), committed, and fit() stops; the handler from before fit() is back. Where Keras runs the
+    callback's batch-end hook on its own thread (`begin`), the save is taken before the 12th batch,
+    which Keras still runs (it checks stop_training after a batch); where Keras calls it in line
+    (`end`), right after the 11th. The same fit() run again continues at batch 4 of epoch 2 and ends
+    with the weights and batch order of a run never interrupted."""
+    ref_model, ref_seen, _ = _preemption_fit(str(tmp_path / "ref"), ["cb"])
+    before = signal.getsignal(signal.SIGTERM)
+    d = str(tmp_path / "run")
+    notice = _Notice(11, hook)
+    order = ["cb", notice] if hook == "begin" else [notice, "cb"]   # (begin: after the boundary it asks at)
+    with caplog.at_level("WARNING", "ckpt_callbacks"):
+        model, seen, cb = _preemption_fit(d, order)
+    assert signal.getsignal(signal.SIGTERM) == before
+    assert cb.preempted and cb.preempted_step == 11 and cb.manager.all_steps() == [8, 11]
+    assert "preempted (SIGTERM): step 11 is committed" in caplog.text and "fit() stops" in caplog.text
+    ran = 12 if hook == "begin" else 11
+    assert int(model.optimizer.iterations) == ran and len(model.history.epoch) == 2
+    progress = cc.CheckpointManager(d, read_only=True).restore(11)["progress"]
+    assert (int(progress["epoch"]), int(progress["batch"]), int(progress["global_step"])) == (1, 3, 11)
+    model, rest, cb = _preemption_fit(d, ["cb"])
+    assert cb.resumed_step == 11 and not cb.preempted and cb.manager.all_steps() == [8, 11, 16, 24]
+    assert seen[:11] + rest == ref_seen
+    _assert_same_weights(model, ref_model)
+
+
+def test_sigterm_with_on_preemption_raise_raises_preempted_after_the_commit(tmp_path):
+    """on_preemption="raise": the boundary after the signalled batch raises Preempted once step 11
+    is committed; no batch runs after it, the handler is back and the directory is free (Keras calls
+    no on_train_end after a raise). The same callback's next fit() resumes from step 11."""
+    ref_model, _, _ = _preemption_fit(str(tmp_path / "ref"), ["cb"])
+    from ckpt_callbacks.keras import Preempted
+    from ckpt_callbacks import preemption
+    assert Preempted is preemption.Preempted and issubclass(Preempted, cc.CheckpointError)
+    before = signal.getsignal(signal.SIGTERM)
+    d = str(tmp_path / "run")
+    model, seen = _tapped_model(seed=0)
+    ds = ResumableDataset(_Indexed(n=8), shuffle_seed=0)
+    cb = AsyncCheckpoint(d, data=ds, on_preemption="raise")
+    with pytest.raises(Preempted, match="checkpoint committed at step 11") as e:
+        model.fit(ds, epochs=3, shuffle=False, verbose=0, callbacks=[cb, _Notice(11)])
+    assert e.value.step == 11 and cb.preempted and cb.preempted_step == 11
+    assert signal.getsignal(signal.SIGTERM) == before and int(model.optimizer.iterations) == 11
+    with cc.CheckpointManager(d) as m:   # not locked: the callback closed its manager before raising
+        assert m.all_steps() == [8, 11]
+    model.fit(ds, epochs=3, shuffle=False, verbose=0, callbacks=[cb])
+    assert cb.resumed_step == 11 and not cb.preempted
+    _assert_same_weights(model, ref_model)
+
+
+def test_sigterm_at_a_scheduled_save_or_an_epoch_end_saves_once_and_without_data_saves_no_mid_epoch_step(
+        tmp_path, caplog):
+    """A preemption at a step that a scheduled save takes (save_freq=3: step 6; the epoch end: step
+    8) saves it once; without data= a mid-epoch step is not saved (a resume could not continue at
+    the next batch): fit() stops, the last epoch-end step stays the one to resume from."""
+    _, _, cb = _preemption_fit(str(tmp_path / "freq"), ["cb", _Notice(6)], save_freq=3)
+    assert cb.preempted_step == 6 and cb.manager.all_steps() == [3, 6] and len(cb.manager.history) == 2
+    _, _, cb = _preemption_fit(str(tmp_path / "end"), ["cb", _Notice(8)])
+    assert cb.preempted_step == 8 and cb.manager.all_steps() == [8] and len(cb.manager.history) == 1
+    x, y, _ = _data()
+    model, cb = _model(), AsyncCheckpoint(str(tmp_path / "arrays"))
+    with caplog.at_level("WARNING", "ckpt_callbacks"):
+        model.fit(x, y, batch_size=8, epochs=3, verbose=0, callbacks=[cb, _Notice(11)])
+    assert cb.preempted and cb.preempted_step == 8 and cb.manager.all_steps() == [8]
+    assert "after batch 3: not saving it without data=" in caplog.text
+    assert "stopped after batch" not in caplog.text   # (the partial epoch's own warning: not given twice)
+
+
+def test_sigterm_is_left_alone_outside_fit_with_preemption_signals_empty_and_after_a_fit_that_raised(ckdir):
+    """The handler from before fit() handles SIGTERM whenever AsyncCheckpoint does not watch it:
+    with preemption_signals=() (fit() trains on), after fit(), and after a fit() that raised (Keras
+    calls no on_train_end: the watch ends itself at the next signal and hands it over)."""
+    got = []
+    before = signal.signal(signal.SIGTERM, lambda s, f: got.append(s))
+    try:
+        _, seen, cb = _preemption_fit(ckdir, ["cb", _Notice(11)], preemption_signals=())
+        assert got == [signal.SIGTERM] and not cb.preempted and len(seen) == 24
+        cb = AsyncCheckpoint(ckdir + "2", data=False, on_preemption="stop")   # constructing installs nothing
+        handler = signal.getsignal(signal.SIGTERM)
+        x, y, _ = _data()
+
+        class Crash(keras.callbacks.Callback):
+            def on_train_batch_begin(self, batch, logs=None):
+                assert signal.getsignal(signal.SIGTERM) != handler   # watched inside fit()
+                if batch == 2:
+                    raise _Crash()
+
+        with pytest.raises(_Crash):
+            _model().fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[cb, Crash()])
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert got == [signal.SIGTERM] * 2 and not cb.preempted
+        assert signal.getsignal(signal.SIGTERM) == handler
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
+def test_preemption_options_are_checked_at_construction(ckdir):
+    before = signal.getsignal(signal.SIGTERM)
+    bad = [({"preemption_signals": signal.SIGTERM}, "preemption_signals must be a collection"),
+           ({"preemption_signals": "SIGTERM"}, "preemption_signals must be a collection"),
+           ({"preemption_signals": (signal.SIGKILL,)}, "SIGKILL and SIGSTOP cannot be caught"),
+           ({"preemption_signals": (99999,)}, "not a signal a handler can catch"),
+           ({"on_preemption": "flag"}, "on_preemption must be 'stop' or 'raise', got 'flag'"),
+           ({"on_preemption": None}, "on_preemption must be")]
+    for kwargs, match in bad:
+        with pytest.raises(cc.ConfigError, match=match):
+            AsyncCheckpoint(ckdir, **kwargs)
+    cb = AsyncCheckpoint(ckdir, preemption_signals=[signal.SIGUSR1, signal.SIGUSR1], on_preemption="raise")
+    assert cb.preemption_signals == (signal.SIGUSR1,) and signal.getsignal(signal.SIGTERM) == before
+    assert not os.path.exists(ckdir)
