@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import signal
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
 
@@ -131,7 +132,7 @@ def load(root: str, kind: str = "mp") -> dict:
 def fit(root: str, epochs: int, kind: str = "mp", save_freq=3, exit_at: int | None = None,
         exit_on_epoch_end: int | None = None, timeout_s: float | None = None, iterator: bool = False,
         fail_get_state_on_1: int | None = None, offset_iterators: bool = False, data_remap=None,
-        remap_to: int | None = None) -> dict:
+        remap_to: int | None = None, sigterm_1_at: int | None = None) -> dict:
     """`model.fit` with AsyncCheckpoint(root, save_freq, keep_last=2, keep_best=1) on every process.
 
     exit_at: every process leaves (``os._exit(17)``) at the begin of that batch of the run (counted
@@ -141,7 +142,9 @@ def fit(root: str, epochs: int, kind: str = "mp", save_freq=3, exit_at: int | No
     fail_get_state_on_1: process 1's iterator (``iterator=True``) raises at that get_state() call;
     offset_iterators: process i's iterator starts at position 100 * i;
     data_remap: AsyncCheckpoint's, a dict (JSON: str keys); remap_to: data_remap=fn taking that
-    saved process's state for every process.
+    saved process's state for every process;
+    sigterm_1_at: process 1 alone sends itself SIGTERM at the begin of that batch of the run
+    (counted from 1), after AsyncCheckpoint's batch-begin hook.
     """
     import keras
 
@@ -161,6 +164,16 @@ def fit(root: str, epochs: int, kind: str = "mp", save_freq=3, exit_at: int | No
     cb = AsyncCheckpoint(root, save_freq=save_freq, data=data, keep_last=2, keep_best=1, **kw)
     fit_input = dict(x=cb.batches(), steps_per_epoch=N_TRAIN // BATCH) if iterator else dict(x=data)
 
+    class Notice(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.batches = 0
+
+        def on_train_batch_begin(self, batch, logs=None):
+            self.batches += 1
+            if self.batches == sigterm_1_at and jax.process_index() == 1:
+                os.kill(os.getpid(), signal.SIGTERM)
+
     class Leave(keras.callbacks.Callback):
         def __init__(self):
             super().__init__()
@@ -178,7 +191,7 @@ def fit(root: str, epochs: int, kind: str = "mp", save_freq=3, exit_at: int | No
 
     out: dict = {"process_index": jax.process_index(), "error_type": None}
     try:
-        model.fit(**fit_input, validation_data=val, epochs=epochs, shuffle=False, verbose=0, callbacks=[Leave(), cb])
+        model.fit(**fit_input, validation_data=val, epochs=epochs, shuffle=False, verbose=0, callbacks=[Leave(), cb, Notice()])
     except Exception as e:  # noqa: BLE001 - reported to the test
         out.update(error_type=type(e).__name__, error=str(e))
         if cb.manager is not None:   # (none where the resume failed)
@@ -189,5 +202,6 @@ def fit(root: str, epochs: int, kind: str = "mp", save_freq=3, exit_at: int | No
                digest=digest(model), bytes_written=stats.bytes_written if stats else None,
                bytes_total=stats.bytes_total if stats else None,
                kernel=list(model.get_layer("d1").kernel.value.sharding.spec),
-               data_pos=data.pos if iterator else None)
+               data_pos=data.pos if iterator else None, preempted=[cb.preempted, cb.preempted_step],
+               iterations=int(model.optimizer.iterations))
     return out

@@ -418,6 +418,23 @@ def test_keras_fit_on_two_processes_resumes_bit_exact_and_writes_each_byte_once(
     assert [r["digest"] for r in resumed] == [whole[0]["digest"]] * 2
 
 
+def test_keras_sigterm_on_one_of_two_processes_saves_the_same_step_on_both_and_the_rerun_resumes_exactly(
+        keras_run, tmp_path):
+    """Process 1 alone is signalled at the begin of batch 5 (after the callback's hook there): at
+    the next boundary every process learns of it (they agree at each one), all save step 5 (not a
+    save_freq=3 step) and stop; the same fit() run again resumes from it and ends with the weights
+    of the uninterrupted run."""
+    _, whole, _ = keras_run
+    root = str(tmp_path / "preempted")
+    cut = _ok(launch("keras_multihost_worker:fit", 2, devices_per_process=4, timeout_s=180,
+                     args={"root": root, "epochs": 2, "sigterm_1_at": 5}))
+    assert [(r["error_type"], r["preempted"], r["steps"]) for r in cut] == [(None, [True, 5], [3, 5])] * 2
+    assert [r["iterations"] for r in cut] == [6, 6]   # the batch begun after the save ran; not saved
+    resumed = _ok(launch("keras_multihost_worker:fit", 2, devices_per_process=4, timeout_s=180,
+                         args={"root": root, "epochs": 2}))
+    assert [(r["resumed"], r["preempted"], r["digest"]) for r in resumed] == [(5, [False, None], whole[0]["digest"])] * 2
+
+
 def test_keras_two_process_checkpoint_resumes_on_one_process_and_on_data_parallel(keras_run):
     root, whole, _ = keras_run
     for kind in ("mp", "dp"):   # (1, 8) ModelParallel and 8-way DataParallel: resharded, nothing left to train
