@@ -24,8 +24,8 @@ Who calls what (all on `fit`'s thread, the main thread; on every process under S
   * `AsyncCheckpoint.on_train_begin` makes a `FitPreemption`, which installs a `PreemptionWatcher`
     (its handler only records the signal); `AsyncCheckpoint._close` closes it (on_train_end, the
     refusals that end a `fit`, the next `fit`'s begin). A `fit` that raised something else gets no
-    `on_train_end`: the watcher then ends itself at the next signal, which finds no `fit` of this
-    model running, and passes it on to the handler from before (`PreemptionWatcher`'s ``active``).
+    `on_train_end`: the watcher then ends itself at the next signal, which finds no `fit` with this
+    callback running, and passes it on to the handler from before (`PreemptionWatcher`'s ``active``).
   * At each step boundary -- `on_train_batch_begin` (the batches before it have ended; Keras
     runs this callback's batch-end hook on its own threads), `on_train_batch_end` where Keras calls
     it on `fit`'s thread (another callback in the list is not ``async_safe``), `on_epoch_end`
@@ -43,6 +43,7 @@ import logging
 import signal
 import sys
 
+from .keras_data import ResumableDataset
 from .preemption import Preempted, PreemptionWatcher
 
 __all__ = ["FitPreemption", "in_fit"]
@@ -51,13 +52,15 @@ log = logging.getLogger("ckpt_callbacks")
 _HOOK_WAIT_S = 60.0   # how long the save waits for the batch-end hook of its last step (as keras.py's)
 
 
-def in_fit(model) -> bool:
-    """Whether the main thread is inside ``model.fit`` (its frame is on the stack); run by the
-    signal handler, which runs on the main thread, where Keras' `fit` runs too."""
+def in_fit(cb) -> bool:
+    """Whether the main thread is inside a ``model.fit`` that `cb` is a callback of (the innermost
+    ``fit`` frame of its model on the stack, its ``callbacks`` holding `cb`); run by the signal
+    handler, which runs on the main thread, where Keras' `fit` runs too."""
     frame = sys._getframe()
     while frame is not None:
-        if frame.f_code.co_name == "fit" and frame.f_locals.get("self") is model:
-            return True
+        if frame.f_code.co_name == "fit" and frame.f_locals.get("self") is cb.model:
+            callbacks = frame.f_locals.get("callbacks")
+            return any(c is cb for c in getattr(callbacks, "callbacks", None) or ())
         frame = frame.f_back
     return False
 
@@ -67,8 +70,7 @@ class FitPreemption:
 
     def __init__(self, cb):
         self.cb = cb
-        model = cb.model
-        self.watcher = (PreemptionWatcher(cb.preemption_signals, active=lambda: in_fit(model))
+        self.watcher = (PreemptionWatcher(cb.preemption_signals, active=lambda: in_fit(cb))
                         if cb.preemption_signals else None)
         self.done = False      # handled: no boundary asks again
         self._asked = None     # the step whose boundary was asked last (sync batch end, then batch begin)
@@ -125,10 +127,14 @@ class FitPreemption:
         signum = self.watcher.signum if self.watcher.requested else None
         sig = signal.Signals(signum).name if signum else "a peer process's signal"
         how = "fit() raises Preempted" if cb.on_preemption == "raise" else "fit() stops"
-        log.warning("ckpt_callbacks: AsyncCheckpoint: preempted (%s): step %s is committed in %s; %s (run the "
-                    "same fit() again to resume)", sig, saved, manager.store.url, how)
-        if cb.on_preemption == "raise":
-            cb._close(raise_errors=True)   # Keras calls no on_train_end after a raise
+        what = f"step {saved} is committed" if saved is not None else "no step is committed"
+        log.warning("ckpt_callbacks: AsyncCheckpoint: preempted (%s): %s in %s; %s (run the same fit() again "
+                    "to resume)", sig, what, manager.store.url, how)
+        if cb.on_preemption == "raise":   # Keras calls no on_train_end after a raise: its clean-up here
+            cb._exit_warn_ctx()
+            if isinstance(cb.data, ResumableDataset) and cb.data.skip:   # inside a resumed epoch: whole next time
+                cb.data.set_position(cb.data.epoch, 0)
+            cb._close(raise_errors=True)
             raise Preempted(f"preempted ({sig}) at step {step}; checkpoint committed at step {saved} in "
                             f"{manager.store.url}. Run the same fit() again to resume.", saved)
         cb.model.stop_training = True

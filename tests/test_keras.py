@@ -4,6 +4,7 @@ The interruption tests run tests/keras_train_script.py in subprocesses, SIGKILL 
 unchanged and compare its final state bit for bit with a run that never had a checkpoint callback.
 """
 
+import contextlib
 import gc
 import json
 import os
@@ -1219,6 +1220,19 @@ class _Notice(keras.callbacks.Callback):
             os.kill(os.getpid(), signal.SIGTERM)
 
 
+@contextlib.contextmanager
+def _sigterm_recorded():
+    """SIGTERM handled by a recorder meanwhile: yields (the recorder, the signals it got). (It
+    replaces whatever an earlier test's fit() that raised left installed.)"""
+    got = []
+    handler = lambda s, f: got.append(s)   # noqa: E731
+    old = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield handler, got
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
 def _preemption_fit(d, callbacks=(), epochs=3, **kw):
     """A tapped model on a ResumableDataset of 8 batches an epoch: (model, seen, callback)."""
     model, seen = _tapped_model(seed=0)
@@ -1238,13 +1252,12 @@ def test_sigterm_mid_epoch_saves_the_step_reached_stops_fit_and_the_rerun_resume
     (`end`), right after the 11th. The same fit() run again continues at batch 4 of epoch 2 and ends
     with the weights and batch order of a run never interrupted."""
     ref_model, ref_seen, _ = _preemption_fit(str(tmp_path / "ref"), ["cb"])
-    before = signal.getsignal(signal.SIGTERM)
     d = str(tmp_path / "run")
     notice = _Notice(11, hook)
     order = ["cb", notice] if hook == "begin" else [notice, "cb"]   # (begin: after the boundary it asks at)
-    with caplog.at_level("WARNING", "ckpt_callbacks"):
+    with caplog.at_level("WARNING", "ckpt_callbacks"), _sigterm_recorded() as (before, got):
         model, seen, cb = _preemption_fit(d, order)
-    assert signal.getsignal(signal.SIGTERM) == before
+        assert signal.getsignal(signal.SIGTERM) == before and got == []   # not passed on: fit() handled it
     assert cb.preempted and cb.preempted_step == 11 and cb.manager.all_steps() == [8, 11]
     assert "preempted (SIGTERM): step 11 is committed" in caplog.text and "fit() stops" in caplog.text
     ran = 12 if hook == "begin" else 11
@@ -1265,15 +1278,16 @@ def test_sigterm_with_on_preemption_raise_raises_preempted_after_the_commit(tmp_
     from ckpt_callbacks.keras import Preempted
     from ckpt_callbacks import preemption
     assert Preempted is preemption.Preempted and issubclass(Preempted, cc.CheckpointError)
-    before = signal.getsignal(signal.SIGTERM)
     d = str(tmp_path / "run")
     model, seen = _tapped_model(seed=0)
     ds = ResumableDataset(_Indexed(n=8), shuffle_seed=0)
     cb = AsyncCheckpoint(d, data=ds, on_preemption="raise")
-    with pytest.raises(Preempted, match="checkpoint committed at step 11") as e:
-        model.fit(ds, epochs=3, shuffle=False, verbose=0, callbacks=[cb, _Notice(11)])
+    with _sigterm_recorded() as (before, got):
+        with pytest.raises(Preempted, match="checkpoint committed at step 11") as e:
+            model.fit(ds, epochs=3, shuffle=False, verbose=0, callbacks=[cb, _Notice(11)])
+        assert signal.getsignal(signal.SIGTERM) == before and got == []
     assert e.value.step == 11 and cb.preempted and cb.preempted_step == 11
-    assert signal.getsignal(signal.SIGTERM) == before and int(model.optimizer.iterations) == 11
+    assert int(model.optimizer.iterations) == 11
     with cc.CheckpointManager(d) as m:   # not locked: the callback closed its manager before raising
         assert m.all_steps() == [8, 11]
     model.fit(ds, epochs=3, shuffle=False, verbose=0, callbacks=[cb])
@@ -1303,13 +1317,11 @@ def test_sigterm_is_left_alone_outside_fit_with_preemption_signals_empty_and_aft
     """The handler from before fit() handles SIGTERM whenever AsyncCheckpoint does not watch it:
     with preemption_signals=() (fit() trains on), after fit(), and after a fit() that raised (Keras
     calls no on_train_end: the watch ends itself at the next signal and hands it over)."""
-    got = []
-    before = signal.signal(signal.SIGTERM, lambda s, f: got.append(s))
-    try:
+    with _sigterm_recorded() as (handler, got):
         _, seen, cb = _preemption_fit(ckdir, ["cb", _Notice(11)], preemption_signals=())
         assert got == [signal.SIGTERM] and not cb.preempted and len(seen) == 24
         cb = AsyncCheckpoint(ckdir + "2", data=False, on_preemption="stop")   # constructing installs nothing
-        handler = signal.getsignal(signal.SIGTERM)
+        assert signal.getsignal(signal.SIGTERM) == handler
         x, y, _ = _data()
 
         class Crash(keras.callbacks.Callback):
@@ -1323,8 +1335,13 @@ def test_sigterm_is_left_alone_outside_fit_with_preemption_signals_empty_and_aft
         os.kill(os.getpid(), signal.SIGTERM)
         assert got == [signal.SIGTERM] * 2 and not cb.preempted
         assert signal.getsignal(signal.SIGTERM) == handler
-    finally:
-        signal.signal(signal.SIGTERM, before)
+        # a fit() of the same model without this callback (and watching nothing) does not wake it
+        other = AsyncCheckpoint(ckdir + "3", data=False, preemption_signals=())
+        model = _model()
+        with pytest.raises(_Crash):
+            model.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[cb, Crash()])
+        model.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[other, _Notice(3)])
+        assert got == [signal.SIGTERM] * 3 and not other.preempted
 
 
 def test_preemption_options_are_checked_at_construction(ckdir):
