@@ -60,7 +60,10 @@ def in_fit(cb) -> bool:
     while frame is not None:
         if frame.f_code.co_name == "fit" and frame.f_locals.get("self") is cb.model:
             callbacks = frame.f_locals.get("callbacks")
-            return any(c is cb for c in getattr(callbacks, "callbacks", None) or ())
+            callbacks = getattr(callbacks, "callbacks", callbacks)   # (Keras' CallbackList, or the list given)
+            if not isinstance(callbacks, (list, tuple)):   # a Keras that keeps them elsewhere: taken as this fit
+                return True
+            return any(c is cb for c in callbacks)
         frame = frame.f_back
     return False
 
