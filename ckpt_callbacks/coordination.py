@@ -34,7 +34,7 @@ import jax
 from .errors import CheckpointSaveError
 
 __all__ = ["Coordinator", "SingleProcess", "JaxDistributed", "CoordinationTimeoutError", "current",
-           "for_directory", "for_collective_read"]
+           "for_directory", "for_collective_read", "agree_round"]
 
 
 class CoordinationTimeoutError(CheckpointSaveError):
@@ -61,6 +61,21 @@ class Coordinator:
     def broadcast(self, name: str, data: bytes | None, timeout_s: float) -> bytes:
         """Process 0's bytes, delivered to every process (others pass None)."""
         raise NotImplementedError
+
+    def forget(self, name: str) -> None:
+        """Drop this process's part of the `all_gather` `name`, which no process reads again."""
+
+
+def agree_round(coord: Coordinator, prefix: str, n: int, data: bytes, timeout_s: float) -> list[bytes]:
+    """Round `n` (1, 2, ...) of a sequence of `all_gather`s named ``prefix + str(n)`` that one thread
+    of each process runs in order (the hooks' per-step agreements): once it is complete here, this
+    process's part of round n-1 is dropped, so that the coordination service's store does not grow
+    with every step of a run. Safe: a process sends its part of round n only after it has read all
+    of round n-1, so once this process has every part of round n, nobody reads round n-1 again."""
+    got = coord.all_gather(f"{prefix}{n}", data, timeout_s)
+    if n > 1:
+        coord.forget(f"{prefix}{n - 1}")
+    return got
 
 
 class SingleProcess(Coordinator):
@@ -150,6 +165,12 @@ class JaxDistributed(Coordinator):
         return [data if i == self.process_index else
                 self._get(f"{name}/{i}", f"gather {name!r} from process {i}", timeout_s, i)
                 for i in range(self.process_count)]
+
+    def forget(self, name):
+        try:
+            self.client.key_value_delete(self._key(f"{name}/{self.process_index}"))
+        except Exception:  # noqa: BLE001 - a key left behind costs a few bytes; the service may be gone
+            pass
 
     def broadcast(self, name, data, timeout_s):
         if self.process_index == 0:

@@ -79,6 +79,7 @@ import numpy as np
 
 from . import resume
 from .checks import check_flag, check_metrics, check_step, check_timeout
+from .coordination import agree_round
 from .errors import (CheckpointError, CheckpointNotFoundError, CheckpointSaveError, ConfigError,
                      IncompatibleCheckpointError)
 from .manager import CheckpointManager
@@ -491,8 +492,8 @@ class CheckpointHook:
             self.manager._nhook_calls += 1   # counted by the manager: a later hook on it reuses no key
             why = None if refused is None else f"{type(refused).__name__}: {refused}"
             mine = msgpack.packb([preempted, timer, evaled, why, None if refused is not None else step])
-            got = [msgpack.unpackb(g) for g in self.coord.all_gather(
-                f"hook/{self.manager.store.url.lstrip('/')}/{self.manager._nhook_calls}", mine,
+            got = [msgpack.unpackb(g) for g in agree_round(
+                self.coord, f"hook/{self.manager.store.url.lstrip('/')}/", self.manager._nhook_calls, mine,
                 self.manager.timeout_s)]
             failures = {i: g[3] for i, g in enumerate(got) if g[3] is not None}
             if failures and refused is None:

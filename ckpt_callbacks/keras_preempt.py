@@ -43,6 +43,7 @@ import logging
 import signal
 import sys
 
+from .coordination import agree_round
 from .keras_data import ResumableDataset
 from .preemption import Preempted, PreemptionWatcher
 
@@ -111,8 +112,8 @@ class FitPreemption:
         coord = self.cb.manager.coord
         if coord.process_count > 1:
             self._n += 1
-            got = coord.all_gather(f"keras-preemption/{self._n}", b"1" if mine else b"0",
-                                   self.cb.manager.timeout_s)
+            got = agree_round(coord, "keras-preemption/", self._n, b"1" if mine else b"0",
+                              self.cb.manager.timeout_s)
             mine = b"1" in got
         self.done = mine
         return mine

@@ -182,8 +182,11 @@ def two_hooks_on_one_manager(root: str) -> dict:
                 started.append(bool(hook(s, {"w": np.full(4, s, np.float32)})))
     mngr.wait_until_finished()
     steps = mngr.all_steps()
+    coord = mngr.coord   # each process dropped its part of every agreement but the last one
+    coord.barrier("agreements-counted", 30)
+    left = sorted(k.rsplit("/", 2)[-2] for k, _ in coord.client.key_value_dir_get_bytes(coord._key("hook/")))
     mngr.close()
-    return {"started": started, "steps": steps}
+    return {"started": started, "steps": steps, "agreements_left": left}
 
 
 def restore_while_a_save_commits(root: str) -> dict:

@@ -204,4 +204,8 @@ def fit(root: str, epochs: int, kind: str = "mp", save_freq=3, exit_at: int | No
                kernel=list(model.get_layer("d1").kernel.value.sharding.spec),
                data_pos=data.pos if iterator else None, preempted=[cb.preempted, cb.preempted_step],
                iterations=int(model.optimizer.iterations))
+    if sigterm_1_at is not None:   # the per-boundary agreements' keys the coordination service still holds
+        coord = cb.manager.coord
+        coord.barrier("agreement-keys-counted", 60)
+        out["agreement_keys"] = len(coord.client.key_value_dir_get_bytes(coord._key("keras-preemption/")))
     return out

@@ -130,12 +130,15 @@ def test_sigterm_on_one_of_two_processes_stops_both_at_the_same_saved_step(tmp_p
 
 def test_a_second_hook_on_a_shared_manager_of_two_processes_reuses_no_agreement_key(tmp_path):
     """Each hook counted its per-step agreements from 1, so a second hook on the same manager
-    failed at its first step: ALREADY_EXISTS, told as a dead coordination service."""
+    failed at its first step: ALREADY_EXISTS, told as a dead coordination service. And the
+    coordination service keeps only the last agreement's keys, one per process (they were all
+    kept: a store growing with every step of a long run)."""
     from multiproc import launch
     res = launch("flax_train_script:two_hooks_on_one_manager", 2, devices_per_process=2, timeout_s=240,
                  args={"root": str(tmp_path / "ckpt")}).raise_if_failed()
     a, b = res.values
-    assert a == b == {"started": [False, True, False, False, True, False], "steps": [2, 4]}
+    assert a == b == {"started": [False, True, False, False, True, False], "steps": [2, 4],
+                      "agreements_left": ["6", "6"]}
 
 
 def test_restore_or_init_on_two_processes_resumes_every_process_from_the_same_step(tmp_path):

@@ -430,6 +430,7 @@ def test_keras_sigterm_on_one_of_two_processes_saves_the_same_step_on_both_and_t
                      args={"root": root, "epochs": 2, "sigterm_1_at": 5}))
     assert [(r["error_type"], r["preempted"], r["steps"]) for r in cut] == [(None, [True, 5], [3, 5])] * 2
     assert [r["iterations"] for r in cut] == [6, 6]   # the batch begun after the save ran; not saved
+    assert [r["agreement_keys"] for r in cut] == [2, 2]   # the last agreement's, one per process: no more
     resumed = _ok(launch("keras_multihost_worker:fit", 2, devices_per_process=4, timeout_s=180,
                          args={"root": root, "epochs": 2}))
     assert [(r["resumed"], r["preempted"], r["digest"]) for r in resumed] == [(5, [False, None], whole[0]["digest"])] * 2
