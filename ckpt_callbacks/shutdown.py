@@ -13,7 +13,8 @@ Example::
 
 Who calls what: `CheckpointManager.__init__` (a writing manager, any thread) calls `watch`, which
 registers `_close_at_exit` once per process as a `threading` exit hook (it runs on the main thread
-when the interpreter exits, before `concurrent.futures` stops the writer's thread pools) and
+when the interpreter exits, before `concurrent.futures` stops the writer's thread pools) and as an
+`atexit` hook (after the non-daemon threads are joined), and
 forgets the parent's managers in a forked child. `CheckpointManager.__exit__` and
 `CheckpointHook.__exit__` call `close_on_exit`.
 """
@@ -31,6 +32,7 @@ __all__ = ["watch", "close_on_exit"]
 log = logging.getLogger("ckpt_callbacks")
 
 _OPEN: weakref.WeakSet = weakref.WeakSet()   # writing managers of this process, for `_close_at_exit`
+_TOLD: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # manager -> the failure logged at exit
 _exit_hook = False
 
 
@@ -39,7 +41,9 @@ def _close_at_exit() -> None:
     instead of being cut off with the process (its thread is a daemon). Runs as a threading exit
     hook, i.e. before `concurrent.futures` stops the thread pools that the writer submits to, and
     before non-daemon threads are joined: a manager whose last save came from such a thread, still
-    alive, is left to it. Managers with nothing in flight are left as they are (their lock is taken
+    alive, is left to it; and again as an `atexit` hook, once those threads have ended, for what
+    they left open with a save in flight (its writer then runs its pools' tasks itself:
+    `storage.submit`). Managers with nothing in flight are left as they are (their lock is taken
     over as stale, their leftovers go at the next start), after logging a failure nobody was told
     of. A forked child forgets its parent's managers (`os.register_at_fork`)."""
     for m in list(_OPEN):
@@ -52,7 +56,8 @@ def _close_left_open(m) -> None:
         return
     t, caller = m._thread, m._caller
     if t is None or t.finished.is_set():   # (not is_alive(): see manager._join)
-        if m._error is not None:
+        if m._error is not None and _TOLD.get(m) is not m._error:   # (once: this runs twice at exit)
+            _TOLD[m] = m._error
             log.error("ckpt_callbacks: the last save to %s failed, and the CheckpointManager was not "
                       "closed to say so: %s", m.store.url, m.store.redact(str(m._error)))
         return
@@ -74,6 +79,9 @@ def watch(manager) -> None:
     if not _exit_hook:
         import concurrent.futures.thread  # noqa: F401 - registers its exit hook first: ours runs before it
         getattr(threading, "_register_atexit", atexit.register)(_close_at_exit)
+        # again after the non-daemon threads are joined (and before jax's own exit hook, registered
+        # when jax was imported): a save in flight that such a thread left open commits too
+        atexit.register(_close_at_exit)
         os.register_at_fork(after_in_child=_OPEN.clear)   # the parent's managers are the parent's to close
         _exit_hook = True
 

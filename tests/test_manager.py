@@ -787,6 +787,40 @@ def test_at_exit_a_manager_a_live_thread_saves_through_is_left_to_that_thread(ck
         np.testing.assert_array_equal(m.restore(4)["w"], np.full(size, 4.0))
 
 
+def test_a_save_in_flight_that_a_live_thread_left_open_at_exit_commits_once_that_thread_ends(ckdir):
+    """The exit hook leaves a manager to the live non-daemon thread whose save is in flight; that
+    thread then ended without close(): nothing closed the manager after it, and the save in
+    flight was cut off with the process (no step, the lock left behind, nothing said). A second
+    pass after the non-daemon threads are joined closes it: the step commits, as the main
+    thread's would."""
+    code = (_SLOW_WRITES +
+            "m = cc.CheckpointManager(sys.argv[1], retention=cc.KeepLast(1))\n"
+            "def worker():\n"
+            "    m.save(1, {'w': np.full(300_000, 1.0), 'v': np.arange(3)})\n"
+            "    time.sleep(0.6)   # alive when the main thread returns, gone before the save commits\n"
+            "    print('worker returned', flush=True)\n"
+            "threading.Thread(target=worker).start()\n"
+            "time.sleep(0.3)\n")
+    r = _python("-c", code, ckdir)
+    assert r.returncode == 0 and "worker returned" in r.stdout, r.stdout + r.stderr
+    assert r.stderr.count("was not closed; finishing its save in flight at exit") == 1, r.stderr
+    assert sorted(os.listdir(ckdir)) == ["step_0000000001"]   # committed, lock released
+    with cc.CheckpointManager(ckdir, read_only=True) as m:
+        assert_tree_equal(m.restore(1), {"w": np.full(300_000, 1.0), "v": np.arange(3)})
+
+
+def test_a_failed_save_nobody_was_told_of_is_logged_once_at_exit(ckdir):
+    # the exit hook runs twice (before and after the non-daemon threads are joined)
+    code = ("import sys, time, numpy as np, ckpt_callbacks as cc, ckpt_callbacks.manager as mm\n"
+            "def fail(*a, **k):\n    raise OSError('the disk is gone')\n"
+            "mm.write_and_commit = fail\n"
+            "m = cc.CheckpointManager(sys.argv[1])\n"
+            "m.save(1, {'w': np.ones(3)}); time.sleep(0.3)\n")
+    r = _python("-c", code, ckdir)
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.count("the last save to") == 1 and "the disk is gone" in r.stderr, r.stderr
+
+
 def test_a_forked_child_leaves_its_parents_managers_alone_at_exit(ckdir):
     """A fork-started worker (multiprocessing, a data loader) inherits the parent's managers: at
     its exit it must neither wait on the parent's writer pools (which do not exist in the child:
