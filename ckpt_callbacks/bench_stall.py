@@ -20,12 +20,14 @@ mesh with 8 devices or more, else over all of them in a row):
   fresh arrays each time, best of ``repeats``.
 - one row per peer (this package, Orbax: async savers both): a training loop of ``N`` donating
   steps (``a * 0.999 + 1e-3 * tanh(a @ a.T / n)`` per leaf) timed alone (``base_s``) and with a save
-  called just before its first step (``loop_s``), each until the last step's result is ready.
+  called just before its first step (``loop_s``), each until the last step's result is ready
+  (which of the two runs first alternates from round to round).
   ``stall_s`` = best ``loop_s`` - best ``base_s``: what the save cost the loop, the blocking part
   and whatever its background part (the transfer to host, the write) took from the steps
   (``round_stall_s``: the median over rounds of each round's difference; the loop alone varies
   by a few tens of ms from round to round on an H200, as much as the stall);
-  ``blocking_s`` = time in ``save``; ``durable_s`` = from ``save`` until ``wait`` returns; the
+  ``blocking_s`` = time in ``save``; ``durable_s`` = from ``save`` until ``wait``, called on a
+  thread beside the loop, returns (the save durable, whether or not the loop still runs); the
   restore onto the device (``restore_s``) is compared bit for bit with the values saved (which
   the first step donated). ``N`` makes the loop last 1.5x the slowest peer's save-to-durable time
   of an untimed warm-up round, so that the background part overlaps the steps.
@@ -41,6 +43,7 @@ import math
 import os
 import shutil
 import statistics
+import threading
 import time
 
 import jax
@@ -163,22 +166,55 @@ def run(ctx, row, devices=None):
 
 
 def _round(ctx, name, base, target, check, steps: int, r: int) -> dict:
-    """One round of peer `name`: the loop alone, then the loop with a save before its first step."""
+    """One round of peer `name`: the loop alone and the loop with a save before its first step,
+    in this order in odd rounds and the other way round in even ones (the loop's speed drifts
+    over a run: on an H200 it got ~10 ms faster per round, which a fixed order would have taken
+    off the stall). ``durable_s`` is timed by a thread that waits for the save beside the loop
+    (`peer.wait` once the loop has ended would time the loop whenever the loop outlasts the save,
+    as it is meant to)."""
     from .bench_workloads import fresh
-    gc.collect()
-    base_s, _ = _loop(fresh(base, 2 * r + 1), steps)
+
+    def alone():
+        gc.collect()
+        return _loop(fresh(base, 2 * r + 1), steps)[0]
+
+    base_s = alone() if r % 2 else None
     d = os.path.join(ctx.root, f"{name}-stall-{r}")
     shutil.rmtree(d, ignore_errors=True)
     peer = bp.PEERS[name](d)
     try:
         state = fresh(base, 2 * r + 2)
-        expect = _copy(state[check])
+        expect = jax.block_until_ready(_copy(state[check]))
+        saved, got = threading.Event(), {}
+
+        def save(s):
+            got["t0"] = time.perf_counter()
+            try:
+                peer.save(1, s)
+            finally:
+                saved.set()
+
+        def waiter():
+            saved.wait()
+            try:
+                peer.wait()
+                got["durable"] = time.perf_counter()
+            except BaseException as e:  # noqa: BLE001 - raised on the main thread below
+                got["error"] = e
+
+        w = threading.Thread(target=waiter, name="bench-stall-wait", daemon=True)
+        w.start()
         gc.collect()
-        t0 = time.perf_counter()
-        loop_s, blocking_s = _loop(state, steps, before=lambda s: peer.save(1, s))
+        try:
+            loop_s, blocking_s = _loop(state, steps, before=save)
+        finally:
+            saved.set()
+            w.join()
         del state
+        if "error" in got:
+            raise got["error"]
         peer.wait()
-        durable_s = time.perf_counter() - t0
+        durable_s = got["durable"] - got["t0"]
         if ctx.cache == "cold":
             bp.evict(d)
         t1 = time.perf_counter()
@@ -189,6 +225,8 @@ def _round(ctx, name, base, target, check, steps: int, r: int) -> dict:
     finally:
         peer.close()
         shutil.rmtree(d, ignore_errors=True)
+    if base_s is None:
+        base_s = alone()
     ctx.say(f"  stall/{ctx.storage} {name} #{r}: {steps} steps alone {base_s:.3f}s, with a save {loop_s:.3f}s "
             f"(stall {loop_s - base_s:+.3f}s, blocking {blocking_s:.4f}s), durable {durable_s:.3f}s, "
             f"restore {restore_s:.3f}s{'' if ok else ' WRONG VALUES'}")

@@ -339,6 +339,49 @@ def test_stall_times_a_donating_training_loop_with_and_without_a_save(tmp_path, 
         "stall: <= 1.25x bytes / pinned device-to-host bandwidth + 50 ms"]
 
 
+def test_stall_times_durable_beside_the_loop_and_alternates_which_loop_runs_first(tmp_path, devices, monkeypatch):
+    """`durable_s` was the time until `wait` returned after the loop, i.e. the loop's own length
+    whenever the loop outlasted the save (as the number of steps is chosen to make it: 1.799 s
+    against the 1.2 s of a save alone on the H200); and the loop alone always ran first in a
+    round, so a drift of the loop's speed over the run fell on one side of the stall."""
+    import time
+
+    import jax
+    from ckpt_callbacks import bench_peers as bp
+    from ckpt_callbacks import bench_stall
+    from ckpt_callbacks import bench_workloads as bw
+
+    class Slow:   # durable 50 ms after its save returned
+        def __init__(self, d):
+            os.makedirs(d)
+
+        def save(self, step, tree):
+            self.host, self.done = jax.device_get(tree), time.perf_counter() + 0.05
+
+        def wait(self):
+            time.sleep(max(0.0, self.done - time.perf_counter()))
+
+        def restore(self, step, target):
+            return jax.tree.map(lambda x, t: jax.device_put(x, t.sharding), self.host, target)
+
+        def close(self):
+            pass
+
+    monkeypatch.setitem(bp.PEERS, "ckpt_callbacks", Slow)
+    monkeypatch.setattr(bench_stall, "_step", lambda tree: (time.sleep(0.02), tree)[1])   # 5 steps: 0.1 s
+    loops, real = [], bench_stall._loop
+    monkeypatch.setattr(bench_stall, "_loop", lambda state, steps, before=None: (
+        loops.append("save" if before else "alone"), real(state, steps, before))[1])
+    ctx = bw.Context(root=str(tmp_path), storage="disk", scale=0.001, repeats=2, peers=("ckpt_callbacks",),
+                     log=lambda m: None)
+    r = [x for x in bench_stall.run(ctx, bw._row, devices=devices[:1]) if x["peer"] == "ckpt_callbacks"][0]
+    assert r["steps"] == 5 and r["correct"] is True
+    for s in r["samples"]:
+        assert 0.05 <= s["durable_s"] < s["loop_s"] - 0.02, r["samples"]
+    # two untimed loops (compile, step time), then rounds #0 (warm-up), #1, #2
+    assert loops[2:] == ["save", "alone", "alone", "save", "save", "alone"]
+
+
 def test_stall_without_an_accelerator_is_skipped_and_its_child_keeps_jaxs_platforms(tmp_path, monkeypatch):
     """On CPU alone the workload says so; its child process is not forced onto the CPU (the
     others are: 8 CPU devices), and the console script leaves the user's JAX_PLATFORMS to it."""
