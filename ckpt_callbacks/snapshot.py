@@ -361,8 +361,8 @@ def copy(snap: Snapshot, emit, budget: ByteBudget | None = None, pool: HostPool 
          through=None) -> None:
     """Copy every leaf this process writes, in order, handing each copy to `emit`.
 
-    `emit(("packed", leaf, array))` (an ndarray, or off CPU an on-device copy that the writer
-    transfers) or `emit(("array", ArrayWrite))`; then `emit(None)`. With a
+    `emit(("packed", leaf, array))` (an ndarray, or off CPU an asynchronous copy, `_off_device`,
+    that the writer reads) or `emit(("array", ArrayWrite))`; then `emit(None)`. With a
     budget, each copy first reserves its bytes; the consumer releases them once written, so the
     copies of later leaves wait for the writes of earlier ones (before such a wait, `emit(("flush",))`
     asks the consumer to write the packed leaves it gathers for a blob: their bytes come back then).

@@ -58,16 +58,20 @@ def test_leaves_up_to_4_mib_held_whole_are_packed_and_larger_or_cross_process_on
     assert kinds == {"at": "array"}
 
 
-def test_off_cpu_a_packed_leaf_is_an_asynchronous_device_copy_the_writer_transfers(monkeypatch):
+@pytest.mark.parametrize("pinned", [True, False], ids=["pinned host", "on device"])
+def test_off_cpu_a_packed_leaf_is_an_asynchronous_copy_the_writer_reads(monkeypatch, pinned):
     """A packed leaf on an accelerator is not transferred on the caller's thread (that would block
-    the training step for the whole device-to-host copy): `copy` hands the writer an on-device
-    copy, which stays valid when the step donates the original."""
+    the training step for the whole device-to-host copy): `copy` hands the writer a copy
+    dispatched asynchronously, into pinned host memory (or on the device, where it has no pinned
+    host memory), which stays valid when the step donates the original."""
     monkeypatch.setattr(snapshot, "_on_cpu", lambda x: False)
+    monkeypatch.setattr(snapshot, "_has_pinned_host", lambda d: pinned)
     x = jax.device_put(jnp.arange(1 << 18, dtype=jnp.float32))   # 1 MiB: packed
     expected = np.asarray(x).copy()
     n = np.ones(3)
     snap, out = _copies({"n": n, "x": x})   # leaves 0 and 1
     assert [r["k"] for r in snap.records] == ["packed", "packed"] and isinstance(out[1], jax.Array)
+    assert out[1].sharding.memory_kind == ("pinned_host" if pinned else x.sharding.memory_kind)
     assert out[1].unsafe_buffer_pointer() != x.unsafe_buffer_pointer()
     jax.jit(lambda a: a + 1, donate_argnums=0)(x)   # the original donated
     np.testing.assert_array_equal(np.asarray(out[1]), expected)

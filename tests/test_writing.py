@@ -443,11 +443,15 @@ def test_packed_leaves_held_for_a_blob_never_deadlock_the_budget(ckdir, case):
     assert result["peak"] <= max(budget, max(x.nbytes for x in tree.values()))
 
 
-@pytest.fixture
-def device_copy_path(monkeypatch):
-    """Exercise the accelerator snapshot path (on-device copies) on the CPU devices."""
+@pytest.fixture(params=["pinned host", "on device"])
+def device_copy_path(monkeypatch, request):
+    """Exercise the accelerator snapshot path on the CPU devices: copies into pinned host memory
+    (GPU, TPU), or on-device copies (devices without pinned host memory)."""
     from ckpt_callbacks import snapshot
     monkeypatch.setattr(snapshot, "_on_cpu", lambda x: False)
+    if request.param == "on device":
+        monkeypatch.setattr(snapshot, "_has_pinned_host", lambda d: False)
+    return request.param
 
 
 @pytest.mark.usefixtures("zarr_above_1mib")
