@@ -473,18 +473,23 @@ class AsyncCheckpoint(keras.callbacks.Callback):
         self._advance(done)
         if self.save_freq != "epoch" and self._since_save >= self.save_freq:
             self._since_save = 0
-            # the epoch's running loss after the last step run (Keras may run batch-end hooks on
-            # its own threads, in any order: wait for that step's, as the save waits for the step)
-            with self._ended_changed:
-                if not self._ended_changed.wait_for(lambda: self._loss_at >= done, timeout=_HOOK_WAIT_S):
-                    log.warning("ckpt_callbacks: AsyncCheckpoint: the batch-end hook of step %d did not run within "
-                                "%gs; judging the mid-epoch save by an earlier step's loss", self._global_step,
-                                _HOOK_WAIT_S)
-                loss = self._last_loss
-            if (not self._skip_nonfinite(loss, f"step {self._global_step} (inside epoch {self._epoch + 1})")
-                    and self._save(self._epoch, self._batch, metrics=None)):
+            if self._save_mid_epoch("inside"):
                 self._mid_saved = self._global_step
         self._at_boundary()
+
+    def _save_mid_epoch(self, where: str) -> bool:
+        """Save the step reached inside an epoch (fit's thread; a scheduled or a preemption save),
+        unless the epoch's running loss after its last step is not finite; True if a save started.
+        That loss is the last step's batch-end hook's: Keras may run those hooks on its own
+        threads, in any order, so wait for it, as the save waits for the step."""
+        with self._ended_changed:
+            if not self._ended_changed.wait_for(lambda: self._loss_at >= self._batch, timeout=_HOOK_WAIT_S):
+                log.warning("ckpt_callbacks: AsyncCheckpoint: the batch-end hook of step %d did not run within "
+                            "%gs; judging the mid-epoch save by an earlier step's loss", self._global_step,
+                            _HOOK_WAIT_S)
+            loss = self._last_loss
+        return (not self._skip_nonfinite(loss, f"step {self._global_step} ({where} epoch {self._epoch + 1})")
+                and self._save(self._epoch, self._batch, metrics=None))
 
     def on_train_batch_end(self, batch, logs=None):
         # Off the main thread (async_safe): only records how far the epoch got (and its running loss).

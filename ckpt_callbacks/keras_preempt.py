@@ -50,7 +50,6 @@ from .preemption import Preempted, PreemptionWatcher
 __all__ = ["FitPreemption", "in_fit"]
 
 log = logging.getLogger("ckpt_callbacks")
-_HOOK_WAIT_S = 60.0   # how long the save waits for the batch-end hook of its last step (as keras.py's)
 
 
 def in_fit(cb) -> bool:
@@ -95,11 +94,7 @@ class FitPreemption:
                         "without data= (a resumed fit() could not continue at the next batch); the last step "
                         "saved stays the one a resumed fit() starts from", cb._epoch + 1, cb._batch)
         else:
-            with cb._ended_changed:   # the running loss after the last step run (batch-end hooks may lag)
-                cb._ended_changed.wait_for(lambda: cb._loss_at >= cb._batch, timeout=_HOOK_WAIT_S)
-                loss = cb._last_loss
-            if not cb._skip_nonfinite(loss, f"step {step} (preempted inside epoch {cb._epoch + 1})"):
-                cb._save(cb._epoch, cb._batch, metrics=None)
+            cb._save_mid_epoch("preempted inside")
         self.finish(step)
 
     def agreed(self, step: int, final: bool = False) -> bool:
