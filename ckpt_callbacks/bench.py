@@ -72,6 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--disk-dir", default=None, help="disk directory (default: ./ckpt-bench-tmp under the cwd)")
     p.add_argument("--cache", choices=("cold", "hot"), default="cold",
                    help="cold: evict the checkpoint's pages before each restore (default)")
+    p.add_argument("--memory", choices=("recycled", "as-is"), default="recycled",
+                   help="recycled: before each timed save and restore, fill and drop 1.25x its bytes of "
+                        "page cache of a file in the disk directory, so every peer starts with "
+                        "just-freed memory (default); as-is: memory as the turn before left it")
     p.add_argument("--leak-saves", type=int, default=100, help="consecutive saves in the memory workload")
     p.add_argument("--fit-epochs", type=int, default=5, help="epochs per fit in the fit workload")
     p.add_argument("--fit-repeats", type=int, default=7,
@@ -103,12 +107,20 @@ def _storage_dirs(args) -> dict:
     return {"tmpfs": args.tmpfs_dir, "disk": disk}
 
 
+def _recycle_file(args) -> str | None:
+    """The page-cache file of ``--memory recycled`` (on the disk directory, whichever storage is
+    measured: freed tmpfs pages are not what a save or restore reuses); None for ``as-is``."""
+    if args.memory != "recycled":
+        return None
+    return os.path.join(_storage_dirs(args)["disk"], RECYCLE_NAME)
+
+
 def _context(args, root: str, storage: str):
     from .bench_workloads import Context
     return Context(root=root, storage=storage, scale=args.scale, repeats=max(1, args.repeats),
                    peers=tuple(args.peers), cache=args.cache, slow_s=args.slow_s,
                    leak_saves=args.leak_saves, fit_epochs=args.fit_epochs,
-                   fit_repeats=max(1, args.fit_repeats))
+                   fit_repeats=max(1, args.fit_repeats), recycle=_recycle_file(args))
 
 
 def _run_child(args) -> int:
@@ -197,6 +209,7 @@ def machine(dirs: dict) -> dict:
     return info
 
 
+RECYCLE_NAME = "ckpt-bench-recycle.bin"
 REPORT_WAIT_S = 5.0   # a guest reports freed memory to the host ~2 s after it is freed
 
 
@@ -240,8 +253,9 @@ def main(argv=None) -> int:
         return subprocess.call([sys.executable, "-m", "ckpt_callbacks.bench", *argv],
                                env=dict(os.environ, JAX_PLATFORMS="cpu"))
     dirs = {s: d for s, d in _storage_dirs(args).items() if s in args.storage}
+    recycle = _recycle_file(args)
     made = []
-    for d in dirs.values():
+    for d in {*dirs.values(), *([os.path.dirname(recycle)] if recycle else [])}:
         if not os.path.isdir(d):
             os.makedirs(d)
             made.append(d)
@@ -254,6 +268,8 @@ def main(argv=None) -> int:
                 print(f"bench: {workload} on {storage} ({base}) ...", file=sys.stderr, flush=True)
                 rows += _cell(args, argv, workload, storage, base)
     finally:
+        if recycle and os.path.exists(recycle):
+            os.remove(recycle)
         for d in made:
             shutil.rmtree(d, ignore_errors=True)
     time.sleep(REPORT_WAIT_S)

@@ -32,7 +32,7 @@ import jax
 import numpy as np
 
 __all__ = ["PEERS", "Unavailable", "RssPeak", "evict", "count_files", "raw_write", "raw_read",
-           "fsync_dir", "place", "bytes_read", "ts_bytes_read"]
+           "fsync_dir", "place", "bytes_read", "ts_bytes_read", "recycle_page_cache"]
 
 RAW_CHUNK = 64 << 20
 
@@ -126,6 +126,38 @@ class RssPeak:
         self.high = max(self.high, self.proc.memory_info().rss)
         self.peak = self.high - self.base
         return False
+
+
+def recycle_page_cache(path: str, nbytes: int) -> None:
+    """Read `nbytes` of the file at `path` (made once, on a disk: a page-cache file system) and drop
+    its pages from the page cache, so that the next `nbytes` of page cache or buffers this process
+    fills reuse those just-freed pages.
+
+    Why: on a VM whose host takes back the memory its guest frees (a balloon with free page
+    reporting, as on this project's EPYC test VM), memory left free for ~2 s is handed to the host,
+    and the first write of it costs a host-side fault per page. A save fills a checkpoint's worth of
+    page cache (disk) or tmpfs pages, a restore a checkpoint's worth of new buffers, so each timing
+    depended on how long ago the turn before it freed its memory: 1 GiB of raw write+fsync took
+    0.5-0.7 s right after another one and 1.1-2.8 s after a 3 s pause, on the same disk. The bench
+    calls this before every timed save and restore of every peer (``--memory recycled``, the
+    default), outside the timers, so that every peer starts in the same state: that of a host
+    whose memory is in use (mostly page cache), as a training host's is. Freed tmpfs pages and
+    anonymous memory did not do the same there; freed disk page cache did."""
+    if not os.path.exists(path) or os.path.getsize(path) < nbytes:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        buf = bytes(min(RAW_CHUNK, max(1, nbytes)))   # zeros: ext4 stores them like any bytes
+        with open(path, "wb") as f:
+            left = nbytes
+            while left > 0:
+                left -= f.write(memoryview(buf)[:min(left, len(buf))])
+            f.flush()
+            os.fsync(f.fileno())
+    buf = bytearray(min(RAW_CHUNK, max(1, nbytes)))
+    with open(path, "rb", buffering=0) as f:
+        left = nbytes
+        while left > 0 and (k := f.readinto(buf)):
+            left -= k
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
 
 
 def place(host_tree, target):

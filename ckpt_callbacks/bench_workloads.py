@@ -52,9 +52,17 @@ class Context:
     fit_epochs: int = 5
     fit_repeats: int = 7           # a fit is ~2.5 s and its noise is a few %: more rounds than saves
     log: object = None
+    recycle: str | None = None     # a file on a disk: `bench_peers.recycle_page_cache` before each
+                                   # timed save and restore (None: memory as the turn before left it)
 
     def say(self, msg: str) -> None:
         (self.log or (lambda m: print(m, file=sys.stderr, flush=True)))(msg)
+
+    def settle(self, nbytes: int) -> None:
+        """Called right before each timer starts (every peer alike): recycle page cache for a
+        save or restore of `nbytes` (1.25x: a peer's staging copies need memory too)."""
+        if self.recycle:
+            bp.recycle_page_cache(self.recycle, int(nbytes * 1.25))
 
 
 # -- trees -------------------------------------------------------------------------------------
@@ -141,6 +149,7 @@ def _sample(ctx, workload, name, base, target, r, options=None, case="") -> dict
     try:
         tree = fresh(base, r + 1)
         gc.collect()
+        ctx.settle(tree_bytes(base))
         with bp.RssPeak() as mem:
             t0 = time.perf_counter()
             peer.save(1, tree)
@@ -153,6 +162,7 @@ def _sample(ctx, workload, name, base, target, r, options=None, case="") -> dict
         if ctx.cache == "cold":
             bp.evict(d)
         gc.collect()
+        ctx.settle(tree_bytes(base))
         t3 = time.perf_counter()
         out = peer.restore(1, target)
         t4 = time.perf_counter()
@@ -173,6 +183,7 @@ def _raw_sample(ctx, workload: str, nbytes: int, r: int) -> dict:
     shutil.rmtree(d, ignore_errors=True)
     bp._random_buffer(min(bp.RAW_CHUNK, -(-nbytes // 4)))
     try:
+        ctx.settle(nbytes)
         with bp.RssPeak() as mem:
             t0 = time.perf_counter()
             paths = bp.raw_write(d, nbytes)
@@ -180,6 +191,7 @@ def _raw_sample(ctx, workload: str, nbytes: int, r: int) -> dict:
         files, size = bp.count_files(d)
         if ctx.cache == "cold":
             bp.evict(d)
+        ctx.settle(nbytes)
         t2 = time.perf_counter()
         got = bp.raw_read(paths)
         t3 = time.perf_counter()
@@ -265,6 +277,7 @@ def run_reshard(ctx: Context):
                     if ctx.cache == "cold":
                         bp.evict(d)
                     gc.collect()
+                    ctx.settle(tree_bytes(base))
                     b0, s0, t0 = bp.bytes_read(), bp.ts_bytes_read(), time.perf_counter()
                     out = peer.restore(1, target)
                     t1, b1, s1 = time.perf_counter(), bp.bytes_read(), bp.ts_bytes_read()

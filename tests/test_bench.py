@@ -185,6 +185,8 @@ def test_console_script_runs_each_cell_in_a_child_with_8_devices(tmp_path):
     assert set(cases) == {"4x2 (same)", "2x4", "1 device"}      # the 2x4 mesh needs the 8 devices
     assert all(r["correct"] for r in cases.values())
     assert got["command"].startswith("ckpt-callbacks bench --workloads reshard")
+    assert got["config"]["memory"] == "recycled"
+    assert os.listdir(tmp_path) == []     # the page-cache file of --memory recycled removed at the end
 
 
 def test_bad_options_are_refused(capsys):
@@ -221,6 +223,60 @@ def test_the_peers_take_turns_so_each_ratio_is_paired(tmp_path, devices):
     assert all(got[p]["repeats"] == 3 and got[p]["correct"] for p in got)
     assert got["ckpt_callbacks"]["durable_s"] == pytest.approx(min(s["durable_s"] for s in got["ckpt_callbacks"]["samples"]), abs=1e-4)
     assert got["raw"]["durable_s"] == pytest.approx(min(s["durable_s"] for s in got["raw"]["samples"]), abs=1e-4)
+
+
+def test_recycle_page_cache_reads_its_file_through_the_cache_then_drops_it(tmp_path, monkeypatch):
+    from ckpt_callbacks import bench_peers as bp
+    path = str(tmp_path / "sub" / "recycle.bin")
+    dropped = []
+    real = os.posix_fadvise
+    monkeypatch.setattr(os, "posix_fadvise", lambda fd, off, n, advice: (
+        dropped.append((os.readlink(f"/proc/self/fd/{fd}"), off, n, advice)), real(fd, off, n, advice))[1])
+    r0 = bp.bytes_read()
+    bp.recycle_page_cache(path, 3 << 20)
+    assert os.path.getsize(path) == 3 << 20 and bp.bytes_read() - r0 >= 3 << 20
+    assert dropped == [(path, 0, 0, os.POSIX_FADV_DONTNEED)]
+    made = os.stat(path)
+    bp.recycle_page_cache(path, 2 << 20)          # large enough: read again, not rewritten
+    again = os.stat(path)
+    assert (again.st_ino, again.st_mtime_ns, again.st_size) == (made.st_ino, made.st_mtime_ns, 3 << 20)
+    assert len(dropped) == 2
+    bp.recycle_page_cache(path, 5 << 20)          # too small: made again at the new size
+    assert os.path.getsize(path) == 5 << 20
+
+
+@pytest.mark.parametrize("recycle", [True, False])
+def test_every_timed_save_and_restore_of_every_peer_starts_after_the_same_recycling(
+        tmp_path, devices, monkeypatch, recycle):
+    """``--memory recycled``: each peer's save and restore starts right after 1.25x its bytes of
+    page cache were filled and dropped (so no peer inherits the memory state of the turn before)."""
+    from ckpt_callbacks import bench_peers as bp
+    from ckpt_callbacks import bench_workloads as bw
+    events = []
+    monkeypatch.setattr(bp, "recycle_page_cache", lambda path, n: events.append(("recycle", path, n)))
+
+    class Spy(bp.Engine):
+        def save(self, step, tree):
+            events.append("save")
+            return super().save(step, tree)
+
+        def restore(self, step, target):
+            events.append("restore")
+            return super().restore(step, target)
+    monkeypatch.setitem(bp.PEERS, "ckpt_callbacks", Spy)
+    raw_write, raw_read = bp.raw_write, bp.raw_read
+    monkeypatch.setattr(bp, "raw_write", lambda *a, **kw: events.append("write") or raw_write(*a, **kw))
+    monkeypatch.setattr(bp, "raw_read", lambda *a, **kw: events.append("read") or raw_read(*a, **kw))
+    ctx = bw.Context(root=str(tmp_path / "cell"), storage="disk", scale=0.001, repeats=1,
+                     peers=("ckpt_callbacks", "raw"), log=lambda m: None,
+                     recycle=str(tmp_path / "recycle.bin") if recycle else None)
+    rows = list(bw.WORKLOADS["big"](ctx))
+    assert all(r["correct"] for r in rows)
+    r = ("recycle", str(tmp_path / "recycle.bin"), int(bw.tree_bytes(bw.big_tree(0.001)) * 1.25))
+    if recycle:
+        assert events == [r, "save", r, "restore", r, "write", r, "read"]
+    else:
+        assert events == ["save", "restore", "write", "read"]
 
 
 def test_a_slow_peer_is_not_repeated_and_a_missing_one_is_skipped_while_the_others_take_turns(
