@@ -16,7 +16,9 @@ measured, so a hang later loses no earlier row); it creates and removes director
 until ready, after the files were evicted from the page cache (``cache="cold"``; no-op on tmpfs).
 Per column the best of ``repeats`` is reported (the machine is shared: the minimum is the least
 disturbed); the peers of big and small take turns, round by round, since the targets are their
-ratios; ``peak_rss`` is the highest host RSS above the live state seen during save+wait.
+ratios; ``peak_rss`` is the highest host RSS above the live state seen during save+wait. Right
+before each timer starts, `Context.settle` recycles page cache (``--memory recycled``, when
+``ctx.recycle`` names a file), the same for every peer: `bench_peers.recycle_page_cache` says why.
 """
 
 from __future__ import annotations

@@ -246,15 +246,16 @@ class leaf_reader:
         return self.read_boxes(rec, [box])[0]
 
     def read_boxes(self, rec: dict, boxes: list) -> list:
-        """One new 64-byte-aligned buffer per box of array leaf `rec` (a CPU device adopts it
-        without another copy; `jax.device_put` copies misaligned host arrays)."""
+        """One new 64-byte-aligned buffer per box of array leaf `rec`, all views of one allocation
+        (`chunkread.aligned_slab`; a CPU device adopts each without another copy, while
+        `jax.device_put` copies misaligned host arrays)."""
         where = treepath.keystr(tuple(map(tuple, rec["p"])))
         shared = not all(_aligned(b, rec["ch"], rec["sh"]) for b in boxes)
         nbytes = math.prod(rec["sh"]) * np.dtype(fmt.storage_dtype(rec["dt"])).itemsize
         # boxes that cut through chunks share them: tensorstore's chunk cache reads each once
         arr = self.array(rec, cache_bytes=min(nbytes, CHUNK_CACHE_BYTES) if shared else 0)
         # allocated only once the stored chunks are known to hold the declared shape
-        outs = [chunkread.aligned_empty(layout.box_shape(b), fmt.storage_dtype(rec["dt"])) for b in boxes]
+        outs = chunkread.aligned_slab([layout.box_shape(b) for b in boxes], fmt.storage_dtype(rec["dt"]))
         if self.store.local and chunkread.direct(arr, self.meta[rec["z"]]):
             chunkread.read_boxes(self.store.path(f"{self.base}/{rec['z']}"), rec, boxes, outs, where)
         else:

@@ -202,3 +202,23 @@ def test_shared_chunk_with_a_wrong_size_or_missing_is_refused(tmp_path, damage):
     out = aligned_empty((8, 8), np.float32)
     with pytest.raises(CorruptCheckpointError, match=r"\['w'\]"):
         chunkread.read_boxes(root, rec, [((4, 12), (4, 12))], [out], "['w']")
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.uint8, np.complex64])
+def test_aligned_slab_gives_aligned_disjoint_views_of_one_allocation(dtype):
+    shapes = [(3, 5), (0,), (7,), (2, 2, 3), ()]
+    outs = chunkread.aligned_slab(shapes, dtype)
+    assert [o.shape for o in outs] == shapes and all(o.dtype == np.dtype(dtype) for o in outs)
+    full = [o for o in outs if o.nbytes]
+    assert all(o.ctypes.data % 64 == 0 and o.flags.c_contiguous for o in full)
+    roots = set()
+    for o in full:
+        while o.base is not None:
+            o = o.base
+        roots.add(id(o))
+    assert len(roots) == 1                                      # one allocation
+    spans = sorted((o.ctypes.data, o.ctypes.data + o.nbytes) for o in outs if o.nbytes)
+    assert all(a1 <= b0 for (_, a1), (b0, _) in zip(spans, spans[1:]))   # no two overlap
+    for k, o in enumerate(outs):
+        o[...] = k + 1
+    assert [float(np.real(o).max(initial=0)) for o in outs] == [1, 0, 3, 4, 5]
