@@ -16,8 +16,8 @@ Example::
 
 Who calls what: `CheckpointManager.restore` on every process. The manifest is read and validated
 first; then leaves are read on a few threads. Per array leaf, each process reads only what its
-target shards need: each distinct shard is read into its own 64-byte-aligned buffer (CPU
-devices adopt it without a copy). From a local directory `chunkread` reads the chunk files
+target shards need: each distinct shard is read into its own 64-byte-aligned buffer, all of a
+leaf's cut from one allocation (CPU devices adopt each without a copy). From a local directory `chunkread` reads the chunk files
 itself, each once (straight into the buffer when a chunk lies whole inside one shard, else split
 between the shards that share it); otherwise tensorstore reads them, through a small per-leaf
 chunk cache when shards cut through chunks. Packed leaves come from their blob. Host buffers
@@ -475,8 +475,8 @@ def _restore_leaf(reader: leaf_reader, rec: dict, t):
     dmap = sharding.addressable_devices_indices_map(shape)
     boxes = [layout.box_of(idx, shape) for idx in dmap.values()]
     if rec["k"] == "array" and boxes:
-        # read each distinct target shard into its own aligned buffer, which then goes to its
-        # device as it is (one allocation per byte, not a whole array + slices)
+        # read each distinct target shard into its own aligned buffer (all cut from one allocation
+        # per leaf), which then goes to its device as it is (no whole array + slices)
         distinct = list(dict.fromkeys(boxes))
         hosts = dict(zip(distinct, reader.read_boxes(rec, distinct)))
         return _Shards(shape, sharding, [(_in_memory_of(sharding, d), hosts[b]) for d, b in zip(dmap, boxes)])
