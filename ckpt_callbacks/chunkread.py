@@ -80,12 +80,8 @@ def aligned_empty(shape, dtype, align: int = 64) -> np.ndarray:
     """An uninitialised host buffer aligned to `align` bytes (64 by default: a CPU device adopts it
     without a copy, and the kernel copies file data into it ~3x faster than into numpy's own
     16-byte-aligned buffers: ``preadv`` from tmpfs on this project's AMD EPYC test machine; see
-    docs/benchmarks-log.md). numpy's allocation, `align` bytes more, sliced."""
-    dtype = np.dtype(dtype)
-    n = math.prod(shape) * dtype.itemsize
-    raw = np.empty(n + align, np.uint8)
-    off = -raw.ctypes.data % align
-    return raw[off:off + n].view(dtype).reshape(shape)
+    docs/benchmarks-log.md). `aligned_slab` of one shape."""
+    return aligned_slab([tuple(shape)], dtype, align)[0]
 
 
 def aligned_slab(shapes: list, dtype, align: int = 64) -> list:
@@ -96,7 +92,7 @@ def aligned_slab(shapes: list, dtype, align: int = 64) -> list:
     64 MiB buffer on this project's EPYC test VM (18-20 against 10-13 ms per 64 MiB, numpy copies
     of 512 KiB bands into memory freed a moment before), and a restore's first write of its
     buffers is most of its cost there (docs/benchmarks-log.md, "The twenty-seventh stop")."""
-    dtype = np.dtype(dtype)
+    dtype = np.dtype(dtype)   # numpy's allocation, `align` bytes more, cut at aligned offsets
     sizes = [math.prod(s) * dtype.itemsize for s in shapes]
     offsets, at = [], 0
     for n in sizes:
