@@ -145,19 +145,14 @@ def recycle_page_cache(path: str, nbytes: int) -> None:
     anonymous memory did not do the same there; freed disk page cache did."""
     if not os.path.exists(path) or os.path.getsize(path) < nbytes:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        buf = bytes(min(RAW_CHUNK, max(1, nbytes)))   # zeros: ext4 stores them like any bytes
-        with open(path, "wb") as f:
-            left = nbytes
-            while left > 0:
-                left -= f.write(memoryview(buf)[:min(left, len(buf))])
-            f.flush()
-            os.fsync(f.fileno())
+        zeros = memoryview(bytes(min(RAW_CHUNK, max(1, nbytes))))   # ext4 stores them like any bytes
+        _write_durable(path, (zeros[:min(len(zeros), nbytes - at)] for at in range(0, nbytes, len(zeros))))
     buf = bytearray(min(RAW_CHUNK, max(1, nbytes)))
     with open(path, "rb", buffering=0) as f:
         left = nbytes
         while left > 0 and (k := f.readinto(buf)):
             left -= k
-        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+    evict(path)
 
 
 def place(host_tree, target):
